@@ -1,0 +1,30 @@
+# Every target installs what it needs into the project virtual environment ($(VENV)).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo clean
+
+install: $(STAMP)
+
+# torch 2.13.0 first, pinned, so pip takes the local CPU wheel instead of a CUDA build.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(PY) -m ruff check megatron_rl kernels tools tests
+
+demo: install
+	bash examples/demo/run.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

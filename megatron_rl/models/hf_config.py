@@ -1,0 +1,152 @@
+"""Translate a Hugging Face causal-LM config into a megatron-core ``TransformerConfig``.
+
+Supported families: Llama, Qwen2 / Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm). All are
+pre-norm RMSNorm decoders with SwiGLU MLPs and rotary embeddings; GQA and tied or untied
+embeddings are read from the config. Anything else (MoE, rope scaling variants, sliding
+window) is refused with an error naming the config field, never silently approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderSpec:
+    """The architecture facts megatron_rl needs from a HF config, family-independent."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Load ``config.json`` from a HF checkpoint directory (or the file itself) as a dict."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no HF config at {file} (expected a checkpoint directory with config.json)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: Mapping[str, Any]) -> float:
+    # transformers 5 moves rope settings into `rope_parameters`; 4.x kept `rope_theta` flat.
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"HF config rope type {rope_type!r} is not supported (only plain RoPE)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ValueError("HF config has no rope_theta (neither `rope_theta` nor `rope_parameters.rope_theta`)")
+    return float(theta)
+
+
+def decoder_spec_from_hf(cfg: Mapping[str, Any]) -> DecoderSpec:
+    """Extract a ``DecoderSpec`` from a HF config dict; raise ``ValueError`` for unsupported ones."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"HF config model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"HF config hidden_act {cfg['hidden_act']!r} is not supported (only silu / SwiGLU)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("HF config use_sliding_window=true is not supported")
+    heads = cfg["num_attention_heads"]
+    if model_type == "llama" and cfg.get("mlp_bias"):
+        raise ValueError("HF config mlp_bias=true is not supported")
+    return DecoderSpec(
+        model_type=model_type,
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config_from_spec(
+    spec: DecoderSpec,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype = torch.float32,
+    overrides: Mapping[str, Any] | None = None,
+):
+    """Build the megatron-core ``TransformerConfig`` for ``spec`` at the given TP/PP sizes."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,  # the local (non-TE) spec's torch norms do not support SP
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        variable_seq_lengths=True,  # packed micro-batches differ in length (PP p2p sends shapes)
+        moe_token_dispatcher_type="alltoall",  # dense model; 0.16 rejects variable lengths with the default
+    )
+    valid = {f.name for f in dataclasses.fields(TransformerConfig)}
+    for key, value in (overrides or {}).items():
+        if key not in valid:
+            raise ValueError(f"model.megatron.{key}: not a megatron-core TransformerConfig field")
+        kwargs[key] = value
+    return TransformerConfig(**kwargs)

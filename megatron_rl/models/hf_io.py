@@ -1,0 +1,138 @@
+"""Read HF safetensors checkpoints lazily, load them into megatron shards, save shards back as HF.
+
+Saving is atomic: shards are written into ``<out>.tmp-<pid>`` and renamed into place only
+after every rank has finished, so an interrupted save leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_rl.models.convert import ShardInfo, iter_export, load_shards_into
+from megatron_rl.models.hf_config import DecoderSpec
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# Files copied next to exported weights so the directory is a loadable HF checkpoint.
+_SIDECARS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+class HFCheckpointReader:
+    """Lazily reads tensors by name from a (possibly sharded) safetensors HF checkpoint."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / _INDEX
+        if index.is_file():
+            self.file_of = {k: self.path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (self.path / _SINGLE).is_file():
+            with safe_open(self.path / _SINGLE, "pt") as f:
+                self.file_of = {k: self.path / _SINGLE for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"{self.path}: no {_SINGLE} or {_INDEX} (only safetensors checkpoints are supported)"
+            )
+        self._handles: dict[Path, object] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
+        file = self.file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file].get_tensor(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.file_of)
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this PP stage's first decoder layer."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def load_hf_weights(model: torch.nn.Module, hf_path: str | Path, spec: DecoderSpec) -> None:
+    """Fill this rank's TP/PP shard of ``model`` from the HF checkpoint at ``hf_path``."""
+    from megatron.core import parallel_state
+
+    padded = model.vocab_size
+    shard = ShardInfo(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        padded_vocab=padded,
+    )
+    reader = HFCheckpointReader(hf_path)
+    load_shards_into(model, lambda n: reader(n).to(torch.float32), spec, shard, layer_offset(model))
+    # load_shards_into copies into params of the model's dtype; the fp32 detour keeps it exact.
+
+
+def export_hf_tensors(model: torch.nn.Module, spec: DecoderSpec):
+    """Iterate (HF name, full tensor) over this PP stage's parameters, TP shards gathered."""
+    from megatron_rl.parallel.gather import gather_tp
+
+    return iter_export(model, gather_tp, spec, layer_offset(model))
+
+
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    spec: DecoderSpec,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write the model as a sharded HF safetensors checkpoint (one file per PP stage), atomically.
+
+    Collective over the whole world. Only DP rank 0 / TP rank 0 of each stage writes.
+    ``source_dir`` supplies config and tokenizer files; ``dtype`` casts on write (default: as is).
+    """
+    from megatron.core import parallel_state
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    pp, pp_rank = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    tensors = {n: (t if dtype is None else t.to(dtype)).contiguous() for n, t in export_hf_tensors(model, spec)}
+    file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    if writer:
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, (file, sorted(tensors)) if writer else None)
+    if rank0:
+        weight_map = {n: f for entry in names if entry for f, ns in [entry] for n in ns}
+        (tmp / _INDEX).write_text(
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+        )
+        for side in _SIDECARS if source_dir else ():
+            if (Path(source_dir) / side).is_file():
+                shutil.copy2(Path(source_dir) / side, tmp / side)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    dist.barrier()

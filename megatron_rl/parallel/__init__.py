@@ -1,0 +1,1 @@
+"""Parallel state (megatron-core), TP/PP helpers, vocab-parallel log-probs and weight gathering."""

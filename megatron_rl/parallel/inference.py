@@ -1,0 +1,66 @@
+"""Forward-only passes of a (TP/PP-sharded) megatron GPT model over plain token batches.
+
+Used by the parity checks and evaluation. Results exist on the last PP stage and are
+broadcast to every rank so callers need not care where they came from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.schedule import run_schedule
+from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs
+
+
+def _forward_step(model, input_ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return model(input_ids, positions, attention_mask=None)
+
+
+def _broadcast_from_last_stage(value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    buf = value.contiguous() if value is not None else torch.empty(shape, dtype=torch.float32)
+    src = parallel_state.get_pipeline_model_parallel_last_rank()
+    dist.broadcast(buf, src=src, group=parallel_state.get_pipeline_model_parallel_group())
+    return buf
+
+
+@torch.no_grad()
+def forward_logits(model, input_ids: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary fp32 logits ``[b, s, vocab_size]`` (gathered over TP; for tests and tools)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    out = run_schedule(
+        model,
+        [input_ids],
+        forward_step=_forward_step,
+        loss=lambda logits, _: (
+            logits.sum() * 0,
+            gather_from_tensor_model_parallel_region(logits)[..., :vocab_size].float(),
+        ),
+        seq_length=lambda ids: ids.shape[1],
+        forward_only=True,
+    )
+    return _broadcast_from_last_stage(out[0] if out else None, (*input_ids.shape, vocab_size))
+
+
+@torch.no_grad()
+def forward_logprobs(model, input_ids: torch.Tensor, *, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for t >= 1, ``[b, s - 1]`` fp32, from vocab-parallel logits."""
+    out = run_schedule(
+        model,
+        [input_ids],
+        forward_step=_forward_step,
+        loss=lambda logits, ids: (
+            logits.sum() * 0,
+            vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=vocab_size, temperature=temperature),
+        ),
+        seq_length=lambda ids: ids.shape[1],
+        forward_only=True,
+    )
+    b, s = input_ids.shape
+    return _broadcast_from_last_stage(out[0] if out else None, (b, s - 1))

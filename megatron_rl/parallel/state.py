@@ -1,0 +1,102 @@
+"""Initialise torch.distributed and megatron-core's TP x PP x DP groups for this process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.platform import Platform, setup_platform
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """This rank's place in the TP x PP x DP grid."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def check_world(world_size: int, tp: int, pp: int) -> int:
+    """Return DP size, or raise naming the sizes when TP x PP does not divide the world."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"parallel.tp ({tp}) and parallel.pp ({pp}) must be >= 1")
+    if world_size % (tp * pp):
+        raise ValueError(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide world size {world_size}")
+    return world_size // (tp * pp)
+
+
+def initialize_parallel(
+    *, tp: int, pp: int, seed: int = 1234, platform: str = "auto", timeout_s: float = 600.0
+) -> tuple[Platform, ParallelLayout]:
+    """Set up the platform, the default process group (from torchrun env vars) and megatron's groups.
+
+    Idempotent for the same sizes. Seeds the default generator with ``seed`` and megatron's
+    model-parallel RNG tracker (``seed + 2718 + tp_rank`` for TP regions).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    plat = setup_platform(platform)
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(plat.dist_backend, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    dp = check_world(world, tp, pp)
+    if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (tp, pp):
+            raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    layout = ParallelLayout(
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+    return plat, layout
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

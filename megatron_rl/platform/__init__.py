@@ -1,0 +1,9 @@
+"""Platform layer: which device this rank computes on, which collective backend it uses, and the
+adaptors that let megatron-core run there (CPU shims here; torch_npu / MindSpeed on Ascend).
+
+Call ``setup_platform()`` once per process before building models; it is idempotent.
+"""
+
+from megatron_rl.platform.device import Platform, detect_platform, setup_platform
+
+__all__ = ["Platform", "detect_platform", "setup_platform"]

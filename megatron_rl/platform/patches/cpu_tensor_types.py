@@ -1,0 +1,90 @@
+"""CUDA tensor-type names and ``Tensor.cuda()`` inside the few megatron-core functions that need them.
+
+Why: megatron-core 0.16 recognises parameters by ``tensor.type()`` strings
+(``'torch.cuda.FloatTensor'`` ...) when building optimizer parameter groups and when clipping
+gradients, and moves the tied embedding to the device with ``weight.data.cuda()`` in
+``LanguageModule.setup_embeddings_and_output_layer`` (PP > 1). On CPU those strings read
+``'torch.FloatTensor'`` and ``.cuda()`` raises.
+
+How: only while one of the listed functions runs, ``Tensor.type()`` (no arguments) reports
+the CUDA name of a CPU tensor's type and ``Tensor.cuda()`` returns the tensor itself. The
+functions are wrapped where they are defined and rebound where they were imported by name.
+These run at set-up and once per optimizer step, never per op.
+
+Versions: megatron-core 0.16.x. Delete with the CPU adaptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import threading
+
+import torch
+
+_LOCK = threading.RLock()
+_ORIG_TYPE = torch.Tensor.type
+_ORIG_CUDA = torch.Tensor.cuda
+
+# (module, attribute path) of each function to wrap, and modules that import it by name.
+_TARGETS = (
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", ("megatron.core.optimizer.optimizer",)),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__", ()),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups", ()),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__", ()),
+    (
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+        (),
+    ),
+)
+
+
+def _cuda_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _ORIG_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _ORIG_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _cuda_noop(self, device=None, non_blocking=False, **kwargs):
+    return self
+
+
+@contextlib.contextmanager
+def cuda_tensor_api_on_cpu():
+    """Within the block, CPU tensors report CUDA type names and ``.cuda()`` keeps them on CPU."""
+    with _LOCK:
+        torch.Tensor.type, torch.Tensor.cuda = _cuda_type, _cuda_noop
+        try:
+            yield
+        finally:
+            torch.Tensor.type, torch.Tensor.cuda = _ORIG_TYPE, _ORIG_CUDA
+
+
+def _wrap(fn):
+    if getattr(fn, "_megatron_rl_wrapped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with cuda_tensor_api_on_cpu():
+            return fn(*args, **kwargs)
+
+    wrapped._megatron_rl_wrapped = True
+    return wrapped
+
+
+def apply() -> None:
+    """Wrap the target functions (idempotent)."""
+    for module_name, path, importers in _TARGETS:
+        module = importlib.import_module(module_name)
+        owner_name, _, attr = path.rpartition(".")
+        owner = getattr(module, owner_name) if owner_name else module
+        raw = owner.__dict__[attr]
+        if isinstance(raw, classmethod):
+            setattr(owner, attr, classmethod(_wrap(raw.__func__)))
+        else:
+            setattr(owner, attr, _wrap(raw))
+        for importer in importers:
+            setattr(importlib.import_module(importer), attr, getattr(owner, attr))

