@@ -1,0 +1,68 @@
+"""Build a group-size controller from its name: `fixed`, `sagc`, or a user class given by dotted
+path `package.module:ClassName` (constructed with keyword `options`, then checked against the
+`GroupSizeController` protocol)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_rl.control.base import DEFAULT_TAU, GroupSizeController
+from megatron_rl.control.fixed import FixedController
+from megatron_rl.control.sagc import SAGCController, SAGCSettings
+
+BUILTIN = ("fixed", "sagc")
+
+
+def load_controller(
+    spec: str,
+    *,
+    group_size: int | None = None,
+    settings: SAGCSettings | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> GroupSizeController:
+    """Return a controller for `spec`.
+
+    spec: "fixed" (needs `group_size`; its straggler threshold is `settings.tau` if given),
+          "sagc" (uses `settings`, default SAGCSettings()), or "package.module:ClassName",
+          called as ClassName(**options).
+    """
+    if spec in BUILTIN and options:
+        raise ValueError(f"options are only for dotted-path controllers, got {dict(options)!r} "
+                         f"for controller {spec!r}")
+    if spec == "fixed":
+        if group_size is None:
+            raise ValueError("controller 'fixed' needs group_size")
+        return FixedController(group_size, tau=settings.tau if settings else DEFAULT_TAU)
+    if spec == "sagc":
+        return SAGCController(settings if settings is not None else SAGCSettings())
+    return _load_dotted(spec, dict(options or {}))
+
+
+def _load_dotted(spec: str, options: dict[str, Any]) -> GroupSizeController:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"controller must be one of {BUILTIN} or 'package.module:ClassName', got {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"controller {spec!r}: cannot import module {module_name!r}: {err}"
+        ) from err
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        # ValueError, not TypeError: a wrong spec is a config mistake (STYLE.md rule 4).
+        raise ValueError(  # noqa: TRY004
+            f"controller {spec!r}: {module_name!r} has no callable {attr!r}"
+        )
+    controller = factory(**options)
+    if not isinstance(controller, GroupSizeController):
+        missing = [m for m in ("choose", "observe", "state_dict", "load_state_dict", "metrics")
+                   if not callable(getattr(controller, m, None))]
+        raise ValueError(  # noqa: TRY004
+            f"controller {spec!r} does not implement GroupSizeController (missing: {missing})"
+        )
+    return controller
