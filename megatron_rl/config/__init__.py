@@ -1,0 +1,59 @@
+"""Typed configuration: dataclasses mirroring the YAML tree, loading, overrides, validation.
+
+    cfg = load_config("examples/grpo_smollm2/config.yaml", ["trainer.lr=1e-5", "parallel.tp=3"])
+    dp = validate_world(cfg, world_size)
+
+Modules: `schema` (the dataclasses), `convert` (plain data <-> dataclasses), `loader` (YAML,
+overrides, round trip), `validate` (ranges, cross-field rules, world size), `errors`.
+"""
+
+from .errors import ConfigError, Problem
+from .loader import config_from_dict, config_to_dict, load_config, save_config
+from .schema import (
+    AdvantageConfig,
+    AlgorithmConfig,
+    AttentionConfig,
+    ClipConfig,
+    Config,
+    ControlConfig,
+    DataConfig,
+    KLConfig,
+    ModelConfig,
+    OverlongConfig,
+    ParallelConfig,
+    PipelineConfig,
+    RewardConfig,
+    RolloutConfig,
+    SAGCConfig,
+    SamplingConfig,
+    TrainerConfig,
+)
+from .validate import validate, validate_world
+
+__all__ = [
+    "AdvantageConfig",
+    "AlgorithmConfig",
+    "AttentionConfig",
+    "ClipConfig",
+    "Config",
+    "ConfigError",
+    "ControlConfig",
+    "DataConfig",
+    "KLConfig",
+    "ModelConfig",
+    "OverlongConfig",
+    "ParallelConfig",
+    "PipelineConfig",
+    "Problem",
+    "RewardConfig",
+    "RolloutConfig",
+    "SAGCConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+    "save_config",
+    "validate",
+    "validate_world",
+]

@@ -1,0 +1,215 @@
+"""The config tree: keyword-only frozen dataclasses mirroring the YAML file, section by section.
+
+Contract: class and field names are the YAML keys (``algorithm.clip.high`` is
+``Config.algorithm.clip.high``) and are imported by the rest of the package. A field without
+a default is required. Only the types the converter in `convert.py` understands appear here:
+int, float, bool, str, Literal, X | None, list[int] / list[str], nested dataclasses, and
+``dict[str, Any]`` for options passed through untouched to megatron-core or vLLM. Per-field
+checks and cross-field rules live in `validate.py`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DType = Literal["float32", "bfloat16"]
+AttentionBackend = Literal["auto", "reference", "split", "flex", "triton", "npu"]
+LossName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "ppo_decoupled"]
+PipelineMode = Literal["sync", "periodic", "stale"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy model (also the old policy and the reference: same weights at start)."""
+
+    hf_path: str  # local HF checkpoint dir (config.json + safetensors); relative to the cwd
+    dtype: DType = "bfloat16"  # parameter and compute dtype of all three models
+    make_vocab_size_divisible_by: int = 128  # megatron pads the vocab to a multiple of this × tp
+    # Pass-through TransformerConfig fields (e.g. recompute_granularity); names are checked
+    # against megatron-core; fields set from the HF config or from `parallel` are refused.
+    megatron: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How training ranks split the model (megatron-core parallel state)."""
+
+    tp: int = 1  # tensor-parallel size; divides heads, KV heads and FFN width
+    pp: int = 1  # pipeline-parallel size; divides the number of layers
+    dp: int | None = None  # data-parallel size; None = world size / (tp × pp)
+    distributed_optimizer: bool = False  # shard optimizer state across DP ranks (megatron)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Shared-prompt attention: how a group [prompt, r_1, …, r_K] is laid out and computed."""
+
+    backend: AttentionBackend = "auto"  # auto picks by device; npu needs torch_npu (checked at run)
+    pack_groups: bool = True  # shared-prompt packing; false = K copies of the prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageConfig:
+    """Group-relative advantage A_i = (r_i - group mean) / (std + eps) (algorithms/advantages.py)."""
+
+    scale: Literal["group", "batch", "none"] = "group"  # std that divides: group's, batch's, none (Dr.GRPO)
+    eps: float = 1e-6  # added to the std before dividing
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipConfig:
+    """PPO ratio clip range [1 - low, 1 + high]; DAPO's clip-higher uses high > low."""
+
+    low: float = 0.2  # lower clip epsilon, in (0, 1)
+    high: float = 0.2  # upper clip epsilon, >= low
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlongConfig:
+    """DAPO soft overlong punishment over the last `buffer` tokens before max_new_tokens."""
+
+    enabled: bool = False  # add the length penalty to the reward
+    buffer: int = 0  # length of the penalty ramp in tokens; 0 < buffer < max_new_tokens
+    penalty: float = 1.0  # penalty at max_new_tokens (ramps linearly from 0 over the buffer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLConfig:
+    """KL penalty to the reference model, added to the loss."""
+
+    coef: float = 0.0  # weight of the KL term; 0 skips the reference forward's use in the loss
+    estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators (k3 = unbiased, >= 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The policy-gradient objective."""
+
+    loss: LossName = "grpo"  # token aggregation + clipping family
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)  # advantage estimator
+    clip: ClipConfig = field(default_factory=ClipConfig)  # ratio clipping
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO length penalty
+    proximal: Literal["recompute", "loglinear"] = (
+        "recompute"  # decoupled PPO proximal policy (A-3PO = loglinear)
+    )
+    behav_weight_cap: float | None = None  # decoupled PPO: cap on π_prox/π_behav; None = no cap
+    kl: KLConfig = field(default_factory=KLConfig)  # KL-to-reference penalty
+    entropy_coef: float = 0.0  # entropy bonus weight
+    temperature: float = 1.0  # log-prob temperature; must equal rollout.sampling.temperature
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """Generation parameters sent with every rollout request."""
+
+    temperature: float = 1.0  # sampling temperature, > 0
+    top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
+    max_new_tokens: int = 256  # response length cap
+    stop: list[str] = field(default_factory=list)  # extra stop strings (EOS always stops)
+    seed: int = 0  # base sampling seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Rollout engines: separate processes on devices of their own (never training ranks)."""
+
+    engine: Literal["vllm", "hf"] = "hf"  # vllm (or vllm-ascend), or the embedded CPU/HF engine
+    num_engines: int = 1  # number of engine processes
+    devices: list[str] = field(default_factory=list)  # e.g. ["cuda:4", "cuda:5"]; [] = engine default
+    tensor_parallel_size: int = 1  # TP size inside each engine
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
+    vllm: dict[str, Any] = field(default_factory=dict)  # pass-through vLLM engine kwargs
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Producer/consumer scheduling between rollout and training."""
+
+    mode: PipelineMode = "periodic"  # sync loop, periodic asynchrony (on-policy), or stale (off-policy)
+    max_staleness: int = 0  # stale mode: max policy versions a sample may lag (>= 1); else 0
+    queue_size: int = 64  # max groups waiting between producer and consumer
+    micro_batch_tokens: int = 4096  # token budget of one packed micro-batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SAGCConfig:
+    """Straggler-aware group control: Thompson sampling over G with a dual-ascent λ."""
+
+    candidates: list[int] = field(default_factory=lambda: [4, 8, 16])  # allowed G, strictly increasing
+    tau: float = 3.0  # straggler threshold on max/median response length, > 1
+    delta: float = 0.1  # target straggler rate, in (0, 1)
+    gamma: float = 0.99  # forgetting factor of the Beta posteriors, in (0, 1]
+    eta: float = 0.5  # dual-ascent step size for λ
+    lambda_max: float = 20.0  # projection bound of λ, λ ∈ [0, lambda_max]
+    prior_alpha: float = 1.0  # Beta prior α of the straggler probability
+    prior_beta: float = 1.0  # Beta prior β of the straggler probability
+    forget_unchosen: bool = True  # also decay the evidence of candidates not chosen this step
+    seed: int = 0  # seed of the Thompson-sampling generator
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlConfig:
+    """Group-size controller: how many responses G per prompt the next rollout asks for."""
+
+    kind: str = "fixed"  # "fixed", "sagc", or a dotted path "pkg.mod:Class"
+    group_size: int = 8  # G for fixed; the starting G for sagc (must be a candidate)
+    sagc: SAGCConfig = field(default_factory=SAGCConfig)  # used when kind == "sagc"
+    options: dict[str, Any] = field(default_factory=dict)  # kwargs of a dotted-path controller class
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompt dataset."""
+
+    source: str  # "reasoning_gym:<dataset>" or a path to a .jsonl / .parquet file
+    prompt_key: str = "question"  # record field holding the prompt
+    answer_key: str = "answer"  # record field holding the reference answer
+    size: int = 1000  # number of prompts (generated for reasoning_gym, truncated for files)
+    seed: int = 0  # dataset generation / shuffling seed
+    max_prompt_tokens: int = 512  # longer prompts are dropped
+    chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """Reward function applied to each finished response."""
+
+    fn: str = "math_verify"  # builtin name or dotted path "pkg.mod:function"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The training loop, optimizer and checkpoints."""
+
+    steps: int  # number of rollout batches (iterations)
+    prompts_per_batch: int = 8  # prompts per rollout batch (each gets G responses)
+    mini_batches: int = 1  # optimizer steps per rollout batch; divides prompts_per_batch
+    lr: float = 1e-6  # Adam learning rate (constant)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # global grad-norm clip; 0 disables
+    adam_beta1: float = 0.9  # Adam β1
+    adam_beta2: float = 0.999  # Adam β2
+    seed: int = 1234  # model/optimizer RNG seed
+    save_dir: str | None = None  # checkpoint dir; None = no checkpoints
+    save_every: int = 0  # save every N steps (0 = only at the end, if save_dir is set)
+    log_dir: str | None = None  # metrics dir (jsonl); None = stdout only
+    offload_reference: bool = False  # keep the reference model on CPU between uses
+    offload_old: bool = False  # keep the old-policy snapshot on CPU between uses
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole run: one YAML file, one `Config`."""
+
+    model: ModelConfig  # policy / old / reference model
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP × PP × DP
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # shared-prompt attention
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # loss and advantages
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # engines and sampling
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # sync / periodic / stale
+    control: ControlConfig = field(default_factory=ControlConfig)  # group-size controller
+    data: DataConfig  # prompt dataset
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward function
+    trainer: TrainerConfig  # loop, optimizer, checkpoints

@@ -1,0 +1,322 @@
+"""Checks a typed `Config` before anything launches: value ranges and cross-field rules.
+
+Contract: `validate(cfg)` runs every named check below and raises one `ConfigError` listing
+all problems, each naming the key(s), the value(s) and the fix. Range checks run first; the
+cross-field rules assume sane ranges and run only when those pass. The model-shape rule
+reads ``<model.hf_path>/config.json`` (that file only; `hf_config` may stand in for it).
+`validate_world(cfg, world_size)` is the launch-time rule TP × PP (× DP) vs the world size.
+Runtime capabilities (e.g. torch_npu for ``attention.backend: npu``) are checked by
+`platform/`, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, Origins, Problem, suggest
+from .schema import Config
+
+Found = Iterator[tuple[str, str]]  # (dotted key, message) pairs yielded by a check
+
+DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # "pkg.mod:Name"
+BUILTIN_CONTROLLERS = ("fixed", "sagc")
+# Dotted keys with a one-field bound (RANGES below); None values of optional fields are skipped.
+# fmt: off
+POSITIVE = (
+    "model.make_vocab_size_divisible_by", "parallel.tp", "parallel.pp", "parallel.dp",
+    "rollout.num_engines", "rollout.tensor_parallel_size", "rollout.sampling.max_new_tokens",
+    "rollout.sampling.temperature", "pipeline.queue_size", "pipeline.micro_batch_tokens",
+    "control.group_size", "data.size", "data.max_prompt_tokens", "trainer.steps",
+    "trainer.prompts_per_batch", "trainer.mini_batches", "trainer.lr", "algorithm.advantage.eps",
+    "algorithm.temperature", "algorithm.behav_weight_cap", "control.sagc.eta",
+    "control.sagc.lambda_max", "control.sagc.prior_alpha", "control.sagc.prior_beta",
+)
+NON_NEGATIVE = (
+    "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
+    "algorithm.overlong.buffer", "algorithm.overlong.penalty", "algorithm.kl.coef",
+    "algorithm.entropy_coef",
+)
+# TransformerConfig fields built from the HF config.json by models/.
+HF_OWNED = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "kv_channels", "layernorm_epsilon", "normalization",
+)
+# fmt: on
+# TransformerConfig fields this project sets itself; the value says from where.
+MEGATRON_OWNED = {
+    "tensor_model_parallel_size": "parallel.tp",
+    "pipeline_model_parallel_size": "parallel.pp",
+    "bf16": "model.dtype",
+    "fp16": "model.dtype",
+    "params_dtype": "model.dtype",
+    **dict.fromkeys(HF_OWNED, "model.hf_path's config.json"),
+}
+
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(POSITIVE, (lambda v: v > 0, "must be > 0")),
+    **dict.fromkeys(NON_NEGATIVE, (lambda v: v >= 0, "must be >= 0")),
+    "rollout.sampling.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "trainer.adam_beta1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "trainer.adam_beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "control.sagc.tau": (lambda v: v > 1, "must be > 1 (a ratio max/median response length)"),
+    "control.sagc.delta": (lambda v: 0 < v < 1, "must be in (0, 1) (a target rate)"),
+    "control.sagc.gamma": (lambda v: 0 < v <= 1, "must be in (0, 1] (a forgetting factor)"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of the HF model that parallelism must divide."""
+
+    source: str  # where they were read, for messages: "<hf_path>/config.json"
+    num_layers: int  # num_hidden_layers
+    num_heads: int  # num_attention_heads
+    num_kv_heads: int  # num_key_value_heads (megatron: num_query_groups)
+    ffn_hidden: int | None  # intermediate_size, None when absent (e.g. MoE configs)
+
+
+def validate(cfg: Config, *, hf_config: dict[str, Any] | None = None, origins: Origins | None = None) -> None:
+    """Run every check on `cfg`; raise ConfigError listing all problems (placed by `origins`)."""
+    found = list(check_ranges(cfg))
+    if not found:
+        for check in CROSS_FIELD_CHECKS:
+            found += check(cfg)
+        shape, shape_problems = model_shape(cfg, hf_config)
+        found += shape_problems
+        if shape is not None:
+            found += check_model_parallel(cfg, shape)
+    if found:
+        origins = origins or Origins()
+        raise ConfigError(Problem(key=k, message=m, where=origins.where(k)) for k, m in found)
+
+
+def validate_world(cfg: Config, world_size: int, *, origins: Origins | None = None) -> int:
+    """Check TP × PP (× DP if set) against the training world size; return the DP size."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
+    problem = None
+    if world_size % (tp * pp):
+        problem = Problem(
+            key="parallel.tp",
+            message=f"parallel.tp ({tp}) × parallel.pp ({pp}) = {tp * pp} does not divide world size "
+            f"{world_size}; launch a multiple of {tp * pp} processes or change tp/pp",
+        )
+    elif dp is not None and tp * pp * dp != world_size:
+        problem = Problem(
+            key="parallel.dp",
+            message=f"parallel.tp ({tp}) × parallel.pp ({pp}) × parallel.dp ({dp}) = {tp * pp * dp} ≠ world "
+            f"size {world_size}; set parallel.dp to {world_size // (tp * pp)} or leave it unset",
+        )
+    if problem is not None:
+        where = (origins or Origins()).where(problem.key)
+        raise ConfigError([dataclasses.replace(problem, where=where)])
+    return world_size // (tp * pp)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def check_ranges(cfg: Config) -> Found:
+    """Single-field bounds (positive sizes, probabilities in (0, 1], ...); None is allowed."""
+    for key, (ok, requirement) in RANGES.items():
+        value = _get(cfg, key)
+        if value is not None and not ok(value):
+            yield key, f"{requirement}, got {value!r}"
+
+
+def check_staleness(cfg: Config) -> Found:
+    """stale mode needs max_staleness >= 1 and the decoupled PPO loss; other modes need 0."""
+    mode, d, loss = cfg.pipeline.mode, cfg.pipeline.max_staleness, cfg.algorithm.loss
+    if mode == "stale":
+        if d < 1:
+            yield "pipeline.max_staleness", f"pipeline.mode 'stale' needs max_staleness >= 1, got {d}"
+        if loss != "ppo_decoupled":
+            why = "off-policy samples need the decoupled objective"
+            yield (
+                "algorithm.loss",
+                f"pipeline.mode 'stale' needs algorithm.loss 'ppo_decoupled' ({why}), got {loss!r}",
+            )
+    elif d > 0:
+        fix = "set it to 0 or use pipeline.mode 'stale'"
+        yield "pipeline.max_staleness", f"{d} > 0 needs pipeline.mode 'stale', got {mode!r}; {fix}"
+
+
+def check_clip(cfg: Config) -> Found:
+    """Clip range [1 - low, 1 + high]: 0 < low < 1 and high >= low (DAPO: high > low)."""
+    low, high = cfg.algorithm.clip.low, cfg.algorithm.clip.high
+    if not 0 < low < 1:
+        yield "algorithm.clip.low", f"must be in (0, 1), got {low!r}"
+    elif not high >= low:
+        yield "algorithm.clip.high", f"must be >= algorithm.clip.low ({low}), got {high!r}"
+
+
+def check_overlong(cfg: Config) -> Found:
+    """The overlong penalty ramp must fit inside the response length."""
+    ov, max_new = cfg.algorithm.overlong, cfg.rollout.sampling.max_new_tokens
+    if ov.enabled and not 0 < ov.buffer < max_new:
+        need = f"0 < buffer < rollout.sampling.max_new_tokens ({max_new})"
+        yield "algorithm.overlong.buffer", f"algorithm.overlong.enabled needs {need}, got {ov.buffer}"
+
+
+def check_control(cfg: Config) -> Found:
+    """Controller name and options; sagc candidates; every group size >= 2."""
+    c = cfg.control
+    builtin = c.kind in BUILTIN_CONTROLLERS
+    if not builtin and not DOTTED_PATH.match(c.kind):
+        hint = suggest(c.kind, BUILTIN_CONTROLLERS)
+        yield "control.kind", f"{c.kind!r} is not fixed, sagc or a dotted path 'pkg.mod:Class' ({hint})"
+    if builtin and c.options:
+        yield "control.options", f"are only for a dotted-path control.kind, not {c.kind!r}; remove them"
+    sizes = {"control.group_size": [c.group_size]}
+    if c.kind == "sagc":
+        cands = c.sagc.candidates
+        if not cands or any(a >= b for a, b in itertools.pairwise(cands)):
+            yield "control.sagc.candidates", f"must be a non-empty, strictly increasing list, got {cands}"
+        elif c.group_size not in cands:
+            yield "control.group_size", f"{c.group_size} must be one of control.sagc.candidates {cands}"
+        sizes["control.sagc.candidates"] = cands
+    for key, values in sizes.items():
+        if min(values, default=2) < 2:  # A_i = r_i - group mean is 0 for a group of one
+            yield key, f"group size {min(values)} < 2 makes every advantage 0; use group sizes >= 2"
+
+
+def check_batch_split(cfg: Config) -> Found:
+    """Each optimizer step takes prompts_per_batch / mini_batches prompts: it must divide."""
+    t = cfg.trainer
+    if t.prompts_per_batch % t.mini_batches:
+        ppb = f"trainer.prompts_per_batch ({t.prompts_per_batch})"
+        yield "trainer.mini_batches", f"{t.mini_batches} does not divide {ppb}"
+
+
+def check_temperature(cfg: Config) -> Found:
+    """Log-probs must be computed at the temperature the responses were sampled at."""
+    train_t, sample_t = cfg.algorithm.temperature, cfg.rollout.sampling.temperature
+    if train_t != sample_t:
+        fix = "log-probs must be computed at the sampling temperature: set both to the same value"
+        yield (
+            "algorithm.temperature",
+            f"{train_t} differs from rollout.sampling.temperature ({sample_t}); {fix}",
+        )
+
+
+def check_checkpointing(cfg: Config) -> Found:
+    """Periodic saving needs somewhere to save."""
+    if cfg.trainer.save_every > 0 and cfg.trainer.save_dir is None:
+        yield "trainer.save_every", f"{cfg.trainer.save_every} > 0 needs trainer.save_dir"
+
+
+def check_rollout_devices(cfg: Config) -> Found:
+    """An explicit device list has one device per engine TP rank."""
+    r = cfg.rollout
+    need = r.num_engines * r.tensor_parallel_size
+    if r.devices and len(r.devices) != need:
+        product = (
+            f"rollout.num_engines ({r.num_engines}) × rollout.tensor_parallel_size ({r.tensor_parallel_size})"
+        )
+        yield "rollout.devices", f"lists {len(r.devices)} devices but {product} = {need}; list {need} or none"
+
+
+def check_sources(cfg: Config) -> Found:
+    """Forms of data.source and reward.fn (existence is checked by data/ and rewards/)."""
+    src = cfg.data.source
+    if not (re.fullmatch(r"reasoning_gym:\w+", src) or src.endswith((".jsonl", ".parquet"))):
+        yield "data.source", f"{src!r} is neither 'reasoning_gym:<dataset>' nor a .jsonl / .parquet path"
+    fn = cfg.reward.fn
+    if not fn or (":" in fn and not DOTTED_PATH.match(fn)) or (":" not in fn and not fn.isidentifier()):
+        yield "reward.fn", f"{fn!r} is neither a builtin reward name nor a dotted path 'pkg.mod:function'"
+
+
+def check_megatron_passthrough(cfg: Config) -> Found:
+    """model.megatron names must be TransformerConfig fields this project does not set itself."""
+    if not cfg.model.megatron:
+        return
+    known = megatron_field_names()
+    for name in cfg.model.megatron:
+        key = f"model.megatron.{name}"
+        if name in MEGATRON_OWNED:
+            yield key, f"is set from {MEGATRON_OWNED[name]}; remove it here"
+        elif name not in known:
+            yield key, f"not a megatron-core TransformerConfig field ({suggest(name, known)})"
+
+
+@functools.cache
+def megatron_field_names() -> frozenset[str]:
+    """Init-field names of megatron-core's TransformerConfig (imported lazily: it pulls torch)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig) if f.init)
+
+
+CROSS_FIELD_CHECKS: tuple[Callable[[Config], Found], ...] = (
+    check_staleness,
+    check_clip,
+    check_overlong,
+    check_control,
+    check_batch_split,
+    check_temperature,
+    check_checkpointing,
+    check_rollout_devices,
+    check_sources,
+    check_megatron_passthrough,
+)
+
+
+def model_shape(
+    cfg: Config, hf_config: dict[str, Any] | None
+) -> tuple[ModelShape | None, list[tuple[str, str]]]:
+    """Read the sizes TP/PP must divide from `hf_config` or ``<model.hf_path>/config.json``."""
+    source = f"{cfg.model.hf_path}/config.json"
+    if hf_config is None:
+        hf_config, why = _read_hf_json(Path(cfg.model.hf_path))
+        if hf_config is None:
+            return None, [("model.hf_path", why)]
+    hf = hf_config.get("text_config", hf_config)  # multimodal configs nest the language model
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads") if not isinstance(hf.get(k), int)]
+    if missing:
+        return None, [("model.hf_path", f"{source} lacks integer {', '.join(missing)}")]
+    heads = hf["num_attention_heads"]
+    shape = ModelShape(
+        source=source,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_hidden=hf.get("intermediate_size"),
+    )
+    return shape, []
+
+
+def _read_hf_json(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """(parsed config.json, "") or (None, why it cannot be read)."""
+    if not path.is_dir():
+        return None, f"{str(path)!r} is not a directory (cwd {Path.cwd()}); point it at a local HF checkpoint"
+    if not (path / "config.json").is_file():
+        return None, f"{str(path)!r} has no config.json; not a HF checkpoint"
+    try:
+        return json.loads((path / "config.json").read_text()), ""
+    except json.JSONDecodeError as exc:
+        return None, f"{path / 'config.json'} is not valid JSON: {exc}"
+
+
+def check_model_parallel(cfg: Config, shape: ModelShape) -> Found:
+    """megatron shards heads, query groups and the FFN across TP, and layers across PP."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    sizes = {"num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads}
+    if shape.ffn_hidden is not None:
+        sizes["intermediate_size"] = shape.ffn_hidden
+    bad = [f"{name} ({n})" for name, n in sizes.items() if n % tp]
+    if bad:
+        valid = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
+        yield "parallel.tp", f"{tp} does not divide {', '.join(bad)} of {shape.source}; valid tp: {valid}"
+    if shape.num_layers % pp:
+        valid = [d for d in range(1, shape.num_layers + 1) if shape.num_layers % d == 0]
+        layers = f"num_hidden_layers ({shape.num_layers})"
+        yield "parallel.pp", f"{pp} does not divide {layers} of {shape.source}; valid pp: {valid}"
