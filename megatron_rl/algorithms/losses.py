@@ -1,0 +1,247 @@
+"""Clipped policy-gradient losses: GRPO, BNPO, DAPO, Dr.GRPO and decoupled PPO (A-3PO).
+
+Contract: pure tensor functions, no process groups. Per-token tensors are padded ``[B, L]``
+with ``mask [B, L]`` (1 = response token that counts); ``advantages`` are ``[B]``.
+
+Aggregation across micro-batches and DP ranks. Each micro-batch's loss is its numerator
+divided by ONE batch-level ``denominator``, so the sum of the micro-batch losses (and the
+DP sum of their gradients) is the loss of the whole batch:
+
+====================  ===========================================  ==========================
+kind                  numerator (per micro-batch)                  denominator (whole batch)
+====================  ===========================================  ==========================
+``grpo``              Σ_seq (Σ_t ℓ·m / Σ_t m)  (own length)        number of sequences
+``bnpo``, ``dapo``    Σ ℓ·m                                        number of tokens
+``dr_grpo``           Σ ℓ·m                                        sequences × max_response_len
+``ppo_decoupled``     Σ ℓ·m                                        number of tokens
+====================  ===========================================  ==========================
+
+``loss_denominator`` gives a micro-batch's share of that denominator; it is additive, so the
+caller sums it over the batch's micro-batches and all-reduces (SUM) over DP before the first
+backward. A sequence counts if it has at least one counted token. ``bnpo`` and ``dapo`` share
+the token mean (TRL's ``bnpo`` normalises per micro-batch, its ``dapo`` per generation batch;
+both equal this one for a single micro-batch); DAPO's own pieces are ``clip_high`` here and
+the data-side functions in ``dapo.py``. The KL and entropy terms are added per token and
+aggregated like the policy term (as TRL does for KL; TRL's entropy bonus is always a token
+mean). In ``ppo_decoupled``, ℓ carries the behaviour weight π_prox / π_behav and tokens the
+cap drops still count in the denominator (as in AReaL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from megatron_rl.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
+from megatron_rl.algorithms.metrics import LossMetrics
+from megatron_rl.algorithms.proximal import (
+    BehaviourWeight,
+    behaviour_weight,
+    loglinear_proximal_logp,
+)
+
+LossKind = Literal["grpo", "bnpo", "dapo", "dr_grpo", "ppo_decoupled"]
+ProximalMode = Literal["recompute", "loglinear"]
+LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
+PROXIMAL_MODES: tuple[str, ...] = get_args(ProximalMode)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSettings:
+    """Everything the loss needs to know; built by the config package, independent of it."""
+
+    kind: LossKind = "grpo"
+    clip_low: float = 0.2  # ratio clipped below at 1 − clip_low
+    clip_high: float = 0.2  # ratio clipped above at 1 + clip_high (DAPO clip-higher: 0.28)
+    kl_coef: float = 0.0  # weight of the per-token KL(π_θ ‖ π_ref) term; 0 = off
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted); 0 = off
+    proximal: ProximalMode = "recompute"  # ppo_decoupled: old-policy forward or A-3PO
+    behav_weight_cap: float | None = None  # ppo_decoupled: drop tokens with π_prox/π_behav > cap
+    max_response_len: int | None = None  # dr_grpo: the constant length normaliser
+
+    def __post_init__(self) -> None:
+        _check_in("kind", self.kind, LOSS_KINDS)
+        _check_in("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_in("proximal", self.proximal, PROXIMAL_MODES)
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.kl_coef < 0.0 or self.entropy_coef < 0.0:
+            raise ValueError(
+                f"kl_coef ({self.kl_coef}) and entropy_coef ({self.entropy_coef}) must be >= 0"
+            )
+        if self.behav_weight_cap is not None and self.behav_weight_cap <= 1.0:
+            raise ValueError(f"behav_weight_cap must be > 1 or None, got {self.behav_weight_cap}")
+        if self.kind == "dr_grpo" and (self.max_response_len or 0) <= 0:
+            raise ValueError(
+                f"kind='dr_grpo' needs max_response_len > 0, got {self.max_response_len}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossOutput:
+    """``loss``: 0-dim, this micro-batch's share of the batch loss (backward on it).
+    ``metrics``: its statistics, merge with the other micro-batches'."""
+
+    loss: torch.Tensor
+    metrics: LossMetrics
+
+
+def _check_in(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def loss_denominator(settings: LossSettings, mask: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's additive share of the batch denominator (0-dim float64).
+
+    ``mask``: ``[B, L]``. Sum the results over all micro-batches of the batch and all DP ranks
+    (all-reduce SUM), then pass the total to every ``policy_loss`` call of that batch.
+    """
+    counted = mask.bool()
+    n_seqs = counted.any(dim=-1).sum().to(torch.float64)
+    if settings.kind == "grpo":
+        return n_seqs
+    if settings.kind == "dr_grpo":
+        return n_seqs * settings.max_response_len
+    return counted.sum().to(torch.float64)
+
+
+def policy_loss(
+    settings: LossSettings,
+    *,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    denominator: torch.Tensor | float,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    behav_logp: torch.Tensor | None = None,
+    versions: torch.Tensor | None = None,
+    current_version: int | None = None,
+    entropy: torch.Tensor | None = None,
+) -> LossOutput:
+    """One micro-batch's clipped policy loss; see the module docstring for the aggregation.
+
+    ``logp [B, L]`` policy log-probs (with grad); ``old_logp [B, L]`` detached old-policy
+    log-probs (None = on-policy, i.e. ``logp.detach()``); ``ref_logp [B, L]`` needed when
+    ``kl_coef > 0``; ``entropy [B, L]`` per-token entropy, needed when ``entropy_coef > 0``
+    (metrics only otherwise). ``ppo_decoupled`` also needs ``behav_logp [B, L]`` (rollout
+    engine) and, for ``proximal="recompute"``, ``old_logp`` (the proximal forward); for
+    ``proximal="loglinear"``, ``versions [B, L]`` and ``current_version`` instead.
+    ``advantages [B]``; ``denominator`` from ``loss_denominator``, summed over the batch.
+    """
+    _check_shapes(logp, mask, advantages, old_logp, ref_logp, behav_logp, versions, entropy)
+    _check_needed(settings, denominator, ref_logp, entropy)
+    anchor, behav = _anchor_and_behaviour(
+        settings, logp, mask, old_logp, behav_logp, versions, current_version
+    )
+    counted = mask.bool()
+    loss_tokens = counted if behav is None else behav.kept
+    adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
+    # Padding gets log-ratio 0 (and ref = logp below): garbage there must not reach an exp,
+    # where an inf would turn the zero upstream gradient into nan.
+    ratio = torch.exp(torch.where(counted, logp - anchor, torch.zeros_like(logp)))
+    clipped = torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if behav is not None:
+        per_token = per_token * behav.weight
+    kl_ref = None
+    if ref_logp is not None:
+        ref = torch.where(counted, ref_logp, logp.detach())
+        kl_ref = kl_estimate(logp, ref, settings.kl_estimator)
+    if settings.kl_coef > 0:
+        per_token = per_token + settings.kl_coef * kl_ref
+    if settings.entropy_coef > 0:
+        per_token = per_token - settings.entropy_coef * entropy
+    loss = _numerator(settings, per_token, loss_tokens, counted) / denominator
+    metrics = _metrics(settings, ratio, adv, anchor, logp, loss_tokens, kl_ref, entropy, behav)
+    return LossOutput(loss=loss.to(logp.dtype), metrics=metrics)
+
+
+def _check_shapes(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                  *per_token: torch.Tensor | None) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, L], got shape {tuple(logp.shape)}")
+    names = ("old_logp", "ref_logp", "behav_logp", "versions", "entropy")
+    for name, t in zip(("mask",) + names, (mask,) + per_token, strict=True):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [B={logp.shape[0]}], got {tuple(advantages.shape)}")
+
+
+def _check_needed(settings: LossSettings, denominator: torch.Tensor | float,
+                  ref_logp: torch.Tensor | None, entropy: torch.Tensor | None) -> None:
+    if isinstance(denominator, (int, float)) and denominator <= 0:
+        raise ValueError(f"denominator must be > 0, got {denominator}")
+    if settings.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={settings.kl_coef} > 0 needs ref_logp")
+    if settings.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={settings.entropy_coef} > 0 needs entropy")
+
+
+def _anchor_and_behaviour(
+    settings: LossSettings,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    behav_logp: torch.Tensor | None,
+    versions: torch.Tensor | None,
+    current_version: int | None,
+) -> tuple[torch.Tensor, BehaviourWeight | None]:
+    """The detached log-probs the ratio is taken against, and the behaviour weight if any."""
+    if settings.kind != "ppo_decoupled":
+        return (logp.detach() if old_logp is None else old_logp.detach()), None
+    if behav_logp is None:
+        raise ValueError("kind='ppo_decoupled' needs behav_logp (from the rollout engine)")
+    if settings.proximal == "recompute":
+        if old_logp is None:
+            raise ValueError("proximal='recompute' needs old_logp (the proximal forward)")
+        prox = old_logp.detach()
+    else:
+        if versions is None or current_version is None:
+            raise ValueError("proximal='loglinear' needs versions and current_version")
+        prox = loglinear_proximal_logp(behav_logp, logp, versions, current_version, mask)
+    return prox, behaviour_weight(prox, behav_logp, mask, settings.behav_weight_cap)
+
+
+def _numerator(settings: LossSettings, per_token: torch.Tensor, loss_tokens: torch.Tensor,
+               counted: torch.Tensor) -> torch.Tensor:
+    masked = torch.where(loss_tokens, per_token, torch.zeros_like(per_token))
+    if settings.kind == "grpo":  # per-sequence token mean with the sequence's own length
+        lengths = counted.sum(dim=-1).clamp(min=1).to(per_token.dtype)
+        return (masked.sum(dim=-1) / lengths).sum()
+    return masked.sum()
+
+
+@torch.no_grad()
+def _metrics(settings: LossSettings, ratio: torch.Tensor, adv: torch.Tensor,
+             anchor: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor,
+             kl_ref: torch.Tensor | None, entropy: torch.Tensor | None,
+             behav: BehaviourWeight | None) -> LossMetrics:
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(tokens, x, torch.zeros_like(x)).sum().float()
+
+    def peak(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(tokens, x, torch.zeros_like(x)).max().float()
+
+    low = (ratio < 1.0 - settings.clip_low) & (adv < 0)
+    high = (ratio > 1.0 + settings.clip_high) & (adv > 0)
+    return LossMetrics(
+        n_tokens=tokens.sum().float(),
+        n_clip_low=total(low.to(ratio.dtype)),
+        n_clip_high=total(high.to(ratio.dtype)),
+        ratio_sum=total(ratio),
+        ratio_max=peak(ratio),
+        approx_kl_sum=total(kl_estimate(anchor, logp.detach(), "k3")),
+        kl_ref_sum=None if kl_ref is None else total(kl_ref),
+        entropy_sum=None if entropy is None else total(entropy),
+        behav_weight_sum=None if behav is None else total(behav.weight),
+        behav_weight_max=None if behav is None else peak(behav.weight),
+        n_capped=None if behav is None else behav.n_capped.float(),
+    )
