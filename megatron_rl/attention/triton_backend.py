@@ -1,0 +1,32 @@
+"""``triton`` backend: dispatch to the block-sparse Triton kernel in ``megatron_rl_kernels``.
+
+Triton is imported only when this backend runs. On the CPU the kernel runs only under
+``TRITON_INTERPRET=1`` (tests, tiny shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.attention.layout import AttentionLayout
+
+# Query/key block edge of the kernel; the CPU interpreter is run with small blocks in tests.
+DEFAULT_BLOCK = 64
+
+
+def triton_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout, softmax_scale: float,
+    *, block: int = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    from megatron_rl_kernels.triton_shared_prompt import (
+        build_block_plan,
+        shared_prompt_flash_attention,
+    )
+
+    plan = layout.cached_plan(
+        ("triton", q.device, block),
+        lambda: build_block_plan(layout.group_start, layout.prefix_end, layout.seg_start,
+                                 block_m=block, block_n=block, device=q.device),
+    )
+    return shared_prompt_flash_attention(q, k, v, plan, softmax_scale)
