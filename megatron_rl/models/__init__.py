@@ -28,7 +28,7 @@ def load_model_from_hf(
     *,
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
-    core_attention: type | None = None,
+    attention_backend: str | None = None,
     megatron_overrides: dict | None = None,
 ) -> tuple[torch.nn.Module, DecoderSpec]:
     """Build this rank's TP/PP shard of the model at ``hf_path`` and load its weights.
@@ -44,7 +44,7 @@ def load_model_from_hf(
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        core_attention=core_attention,
+        attention_backend=attention_backend,
         megatron_overrides=megatron_overrides,
     )
     load_hf_weights(model, hf_path, spec)

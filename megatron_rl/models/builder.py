@@ -7,19 +7,50 @@ parallelism beyond what megatron-core reads from its config).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size, transformer_config_from_spec
+from megatron_rl.models.positions import PositionIndexedRotary
 
 
-def gpt_layer_spec(spec: DecoderSpec, core_attention: type | None = None):
-    """The local-spec transformer layer for ``spec``; ``core_attention`` replaces the attention kernel."""
+def gpt_layer_spec(spec: DecoderSpec, attention_backend: str | None = None):
+    """The local-spec transformer layer for ``spec``.
+
+    ``attention_backend`` (auto | reference | split | flex | triton | npu) swaps megatron's
+    ``DotProductAttention`` for shared-prompt attention; None keeps megatron's own.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if core_attention is not None:
-        layer.submodules.self_attention.submodules.core_attention = core_attention
+    if attention_backend is not None:
+        from megatron_rl.attention.core_attention import SharedPromptCoreAttention
+
+        layer.submodules.self_attention.submodules.core_attention = functools.partial(
+            SharedPromptCoreAttention, backend=attention_backend
+        )
     return layer
+
+
+@functools.cache
+def _gpt_model_class():
+    """``GPTModel`` whose RoPE follows the position ids given to ``forward`` (packed groups need it)."""
+    from megatron.core.models.gpt import GPTModel
+
+    class PositionalGPTModel(GPTModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.rotary_pos_emb = PositionIndexedRotary(self.rotary_pos_emb)
+
+        def forward(self, input_ids, position_ids, attention_mask=None, **kwargs):
+            self.rotary_pos_emb.position_ids = position_ids
+            try:
+                return super().forward(input_ids, position_ids, attention_mask, **kwargs)
+            finally:
+                self.rotary_pos_emb.position_ids = None
+
+    return PositionalGPTModel
 
 
 def build_gpt_model(
@@ -29,17 +60,16 @@ def build_gpt_model(
     pp: int,
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
-    core_attention: type | None = None,
+    attention_backend: str | None = None,
     megatron_overrides: dict | None = None,
 ):
-    """One model replica's stage of ``GPTModel`` for the current PP rank (parallel state must be set up)."""
+    """This rank's PP stage of the model (parallel state must be set up); weights are random."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides)
-    model = GPTModel(
+    model = _gpt_model_class()(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(spec, core_attention),
+        transformer_layer_spec=gpt_layer_spec(spec, attention_backend),
         vocab_size=padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
