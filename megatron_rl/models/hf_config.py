@@ -150,3 +150,36 @@ def transformer_config_from_spec(
             raise ValueError(f"model.megatron.{key}: not a megatron-core TransformerConfig field")
         kwargs[key] = value
     return TransformerConfig(**kwargs)
+
+
+def parallel_fit(sizes: Mapping[str, int], num_layers: int, tp: int, pp: int) -> tuple[str | None, str | None]:
+    """Why ``tp`` / ``pp`` cannot shard a model, as ``(tp_problem, pp_problem)``; None where they fit.
+
+    megatron shards attention heads, KV heads (query groups) and the FFN across TP, and the
+    layers across PP. ``sizes`` maps HF field names to the sizes TP must divide.
+    """
+    tp_problem = pp_problem = None
+    bad = [f"{name} ({n})" for name, n in sizes.items() if n % tp]
+    if bad:
+        valid = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
+        tp_problem = f"{tp} does not divide {', '.join(bad)}; valid tp: {valid}"
+    if num_layers % pp:
+        valid = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        pp_problem = f"{pp} does not divide num_hidden_layers ({num_layers}); valid pp: {valid}"
+    return tp_problem, pp_problem
+
+
+def check_parallel_fit(spec: DecoderSpec, tp: int, pp: int) -> None:
+    """Raise ``ValueError`` naming the sizes when TP/PP cannot shard the model of ``spec``."""
+    sizes = {
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "intermediate_size": spec.ffn_hidden_size,
+    }
+    problems = [
+        f"{key} {msg}"
+        for key, msg in zip(("tp", "pp"), parallel_fit(sizes, spec.num_layers, tp, pp), strict=True)
+        if msg
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
