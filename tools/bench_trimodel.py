@@ -146,17 +146,24 @@ def _separate_step(models, mbs, vocab: int, *, train_first: bool) -> None:
         )
 
 
-def _loglinear_step(mbs) -> None:
-    """A-3PO proximal log-probs for every micro-batch's padded response tokens (no forward)."""
+def _loglinear_inputs(mbs) -> list[tuple]:
+    """Per micro-batch (behav_logp, logp, versions, mask), padded ``[R, L]`` as the loss sees them."""
     import torch
 
-    from megatron_rl.algorithms import loglinear_proximal_logp
     from megatron_rl.attention.packing import unpack_logprobs_padded
 
+    out = []
     for mb in mbs:
         logp, mask = unpack_logprobs_padded(torch.randn(mb.target_ids.numel()), mb)
-        behav = logp - 0.01
-        versions = torch.full_like(logp, 3, dtype=torch.int64)
+        out.append((logp - 0.01, logp, torch.full_like(logp, 3, dtype=torch.int64), mask))
+    return out
+
+
+def _loglinear_step(inputs: list[tuple]) -> None:
+    """A-3PO proximal log-probs for every micro-batch (no forward)."""
+    from megatron_rl.algorithms import loglinear_proximal_logp
+
+    for behav, logp, versions, mask in inputs:
         loglinear_proximal_logp(behav, logp, versions, 5, mask)
 
 
@@ -172,6 +179,7 @@ def worker(args: argparse.Namespace) -> int:
     initialize_parallel(tp=args.tp, pp=args.pp, seed=args.seed)
     (policy, old, ref), vocab = _models(args, args.tp, args.pp)
     mbs = _micro_batches(args, vocab)
+    prox_inputs = _loglinear_inputs(mbs)
     plan = plan_trimodel(LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2)  # all three resident
     tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, vocab_size=vocab)
 
@@ -181,7 +189,7 @@ def worker(args: argparse.Namespace) -> int:
     steps = {
         "fused_s": fused,
         "separate_s": lambda: _separate_step([policy, old, ref], mbs, vocab, train_first=True),
-        "prox_loglinear_s": lambda: _loglinear_step(mbs),
+        "prox_loglinear_s": lambda: _loglinear_step(prox_inputs),
         "prox_recompute_s": lambda: _separate_step([old], mbs, vocab, train_first=False),
     }
     times: dict[str, list[float]] = {k: [] for k in steps}

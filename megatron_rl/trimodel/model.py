@@ -1,0 +1,188 @@
+"""The tri-model: policy, old policy and reference in one sharding, one schedule per micro-step.
+
+``TriModel`` owns this rank's stage of the three copies (built identically, same TP/PP
+sharding) and the ``TriModelPlan`` saying where each lives. ``run(micro_batches, loss=…)``
+is one micro-step: ONE megatron pipeline schedule over the packed micro-batches, the three
+hidden streams travelling together between stages (``TriStage``), yielding per micro-batch a
+``TriLogprobs`` (policy with grad, old / ref without) that the loss callback turns into
+``(loss, payload)``. Offloaded copies are put on the device for the micro-step and back on
+host memory after it. ``refresh_old()`` snapshots the policy into the old copy: call it at
+the start of every iteration (before the batch's first forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.attention.packing import PackedMicroBatch
+from megatron_rl.parallel.schedule import run_schedule
+from megatron_rl.trimodel.offload import HostOffload
+from megatron_rl.trimodel.plan import CopyPlan, Residency, TriModelPlan
+from megatron_rl.trimodel.stage import TriLogprobs, TriStage, unwrap
+
+LossFn = Callable[[TriLogprobs, int], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyMemory:
+    """Parameter bytes of one copy on this rank, by where they rest between micro-steps."""
+
+    residency: Residency
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TriModelMemory:
+    """Per-copy parameter memory of this rank's stage, plus cumulative host -> device traffic."""
+
+    policy: CopyMemory
+    old: CopyMemory
+    ref: CopyMemory
+    bytes_onloaded: int
+
+    def as_metrics(self, prefix: str = "trimodel/") -> dict[str, float]:
+        """Flat metrics: ``{prefix}{copy}_device_bytes``, ``…_host_bytes``, ``{prefix}bytes_onloaded``."""
+        out = {f"{prefix}bytes_onloaded": float(self.bytes_onloaded)}
+        for name in ("policy", "old", "ref"):
+            mem = getattr(self, name)
+            out[f"{prefix}{name}_device_bytes"] = float(mem.device_bytes)
+            out[f"{prefix}{name}_host_bytes"] = float(mem.host_bytes)
+        return out
+
+
+def _param_bytes(module: torch.nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _check_copy(name: str, module: torch.nn.Module | None, plan: CopyPlan) -> None:
+    if plan.active and module is None:
+        raise ValueError(f"{name}=None but the plan needs it ({plan.reason})")
+    if not plan.active and module is not None:
+        raise ValueError(f"{name} was given but the plan skips it ({plan.reason}); pass {name}=None")
+
+
+class TriModel:
+    """Policy + old + ref on this rank's stage; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        policy: torch.nn.Module,
+        old: torch.nn.Module | None,
+        ref: torch.nn.Module | None,
+        plan: TriModelPlan,
+        vocab_size: int,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> None:
+        """``policy``: the GPTModel stage or a wrapper whose ``.module`` chain ends in it (DDP).
+        ``old`` / ``ref``: GPTModel stages built like the policy, or None where ``plan`` skips them."""
+        _check_copy("old", old, plan.old)
+        _check_copy("ref", ref, plan.ref)
+        self.plan = plan
+        self.policy, self.old, self.ref = policy, old, ref
+        device = next(unwrap(policy).parameters()).device
+        self._offload: dict[str, HostOffload] = {}
+        for name, module, copy_plan in (("old", old, plan.old), ("ref", ref, plan.ref)):
+            if module is None:
+                continue
+            module.requires_grad_(False)
+            module.eval()
+            if copy_plan.residency is Residency.OFFLOADED:
+                self._offload[name] = HostOffload(module, device=device)
+        self.stage = TriStage(policy=policy, old=old, ref=ref, vocab_size=vocab_size,
+                              temperature=temperature, with_entropy=with_entropy)
+
+    def run(
+        self, micro_batches: Sequence[PackedMicroBatch], *, loss: LossFn, forward_only: bool = False
+    ) -> list[Any]:
+        """One micro-step: one schedule over ``micro_batches``, backward unless ``forward_only``.
+
+        ``loss(logprobs, i)`` is called on the last PP stage for micro-batch ``i`` (in order)
+        and returns ``(loss_i, payload_i)``; the losses are summed (see ``run_schedule``).
+        Returns the payloads on the last stage, ``[]`` elsewhere.
+        """
+        if not micro_batches:
+            raise ValueError("micro_batches is empty")
+        items = list(enumerate(micro_batches))
+        with self._onloaded(), self._finalize_on_policy():
+            return run_schedule(
+                self.stage, items,
+                forward_step=lambda stage, item: stage(item[1]),
+                loss=lambda out, item: loss(out, item[0]),
+                seq_length=lambda item: item[1].num_tokens,
+                forward_only=forward_only,
+            )
+
+    @torch.no_grad()
+    def refresh_old(self) -> bool:
+        """Copy the policy's parameters into the old copy (iteration start); False when old is skipped."""
+        if self.old is None:
+            return False
+        pairs = zip(unwrap(self.policy).named_parameters(), self.old.named_parameters(), strict=True)
+        for (name, p), (old_name, q) in pairs:
+            assert name == old_name, f"policy/old parameter order differs: {name} vs {old_name}"
+            q.copy_(p)  # lands in host memory when old is offloaded (released between micro-steps)
+        return True
+
+    def memory_report(self) -> TriModelMemory:
+        """Parameter bytes per copy on this rank, by residency (for the metrics)."""
+        def copy(module: torch.nn.Module | None, residency: Residency) -> CopyMemory:
+            n = _param_bytes(module)
+            on_host = residency is Residency.OFFLOADED
+            return CopyMemory(residency=residency, device_bytes=0 if on_host else n, host_bytes=n if on_host else 0)
+
+        return TriModelMemory(
+            policy=copy(unwrap(self.policy), Residency.RESIDENT),
+            old=copy(self.old, self.plan.old.residency),
+            ref=copy(self.ref, self.plan.ref.residency),
+            bytes_onloaded=sum(o.bytes_onloaded for o in self._offload.values()),
+        )
+
+    @contextlib.contextmanager
+    def _onloaded(self) -> Iterator[None]:
+        """Offloaded copies on the device for the duration of one micro-step."""
+        try:
+            for offload in self._offload.values():
+                offload.onload()
+            yield
+        finally:
+            for offload in self._offload.values():
+                offload.release()
+
+    @contextlib.contextmanager
+    def _finalize_on_policy(self) -> Iterator[None]:
+        """Megatron's ``finalize_model_grads`` (set by ``wrap_for_training``) gets the chunks the
+        schedule ran, here the ``TriStage``; scope it to the policy chunk it was made for."""
+        config = self.stage.config
+        original = config.finalize_model_grads_func
+        if original is None:
+            yield
+            return
+        config.finalize_model_grads_func = lambda _chunks, *args, **kwargs: original([self.policy], *args, **kwargs)
+        try:
+            yield
+        finally:
+            config.finalize_model_grads_func = original
+
+
+def load_frozen_copies(
+    plan: TriModelPlan, *, policy_path: str | Path, ref_path: str | Path | None = None, **build: Any
+) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """Build and load the (old, ref) stages the plan needs; None where it skips them.
+
+    old starts from ``policy_path`` (θ_0), ref from ``ref_path`` (default: ``policy_path``);
+    ``build`` goes to ``load_model_from_hf`` (``params_dtype``, ``attention_backend``, …).
+    """
+    from megatron_rl.models import load_model_from_hf
+
+    old = load_model_from_hf(policy_path, **build)[0] if plan.old.active else None
+    ref = load_model_from_hf(ref_path or policy_path, **build)[0] if plan.ref.active else None
+    return old, ref

@@ -1,0 +1,90 @@
+"""Where each copy of the tri-model lives, and why (STYLE rule 8: nothing implicit).
+
+The policy is always resident and trainable. The old policy (θ at the iteration's start)
+and the reference are each ``resident`` (device memory), ``offloaded`` (host memory between
+micro-steps, moved to the device for each one) or ``skipped`` (not built, not run):
+
+- old is skipped when it cannot differ from the policy: a rollout batch gets exactly one
+  optimizer step, so every forward of the batch sees θ_t (its log-probs are then the
+  detached policy log-probs), or the loss never reads it (``ppo_decoupled`` with the
+  ``loglinear`` A-3PO proximal, which interpolates instead of running a forward);
+- the reference is skipped when no loss term needs it (``kl_coef == 0``).
+
+``plan_trimodel`` makes that decision once, from the loss settings and the optimizer steps
+per batch; the plan's ``reasons`` go to the run log.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from megatron_rl.algorithms.losses import LossSettings
+
+COPIES = ("policy", "old", "ref")
+
+
+class Residency(enum.Enum):
+    """Where a copy's parameters live between micro-steps."""
+
+    RESIDENT = "resident"  # device memory throughout
+    OFFLOADED = "offloaded"  # host memory; on the device only during a micro-step
+    SKIPPED = "skipped"  # not built and not run
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyPlan:
+    """One copy's residency and the sentence that justifies it."""
+
+    residency: Residency
+    reason: str
+
+    @property
+    def active(self) -> bool:
+        return self.residency is not Residency.SKIPPED
+
+
+@dataclass(frozen=True, kw_only=True)
+class TriModelPlan:
+    """Residency of the old policy and the reference (the policy is always resident)."""
+
+    old: CopyPlan
+    ref: CopyPlan
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        """The copies that run, in stream order: ``policy`` first, then ``old``, ``ref``."""
+        return ("policy",) + tuple(name for name in COPIES[1:] if getattr(self, name).active)
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return ("policy resident: trainable", self.old.reason, self.ref.reason)
+
+
+def _kept(name: str, offload: bool, why: str) -> CopyPlan:
+    if offload:
+        return CopyPlan(residency=Residency.OFFLOADED, reason=f"{name} offloaded to host between micro-steps "
+                        f"(trainer.offload_{'old' if name == 'old' else 'reference'}); needed: {why}")
+    return CopyPlan(residency=Residency.RESIDENT, reason=f"{name} resident: {why}")
+
+
+def plan_trimodel(
+    loss: LossSettings, *, optimizer_steps_per_batch: int, offload_old: bool = False, offload_ref: bool = False
+) -> TriModelPlan:
+    """Decide which of old / ref run and where they live (see the module docstring)."""
+    if optimizer_steps_per_batch < 1:
+        raise ValueError(f"optimizer_steps_per_batch must be >= 1, got {optimizer_steps_per_batch}")
+    steps = optimizer_steps_per_batch
+    if loss.kind == "ppo_decoupled" and loss.proximal == "loglinear":
+        old = CopyPlan(residency=Residency.SKIPPED,
+                       reason="old skipped: proximal = loglinear (A-3PO interpolates, no old-policy forward)")
+    elif steps == 1:
+        old = CopyPlan(residency=Residency.SKIPPED,
+                       reason="old skipped: 1 optimizer step per batch (old == policy; detached policy log-probs used)")
+    else:
+        old = _kept("old", offload_old, f"{steps} optimizer steps per batch")
+    if loss.kl_coef == 0:
+        ref = CopyPlan(residency=Residency.SKIPPED, reason="ref skipped: kl_coef = 0 (no loss term needs it)")
+    else:
+        ref = _kept("ref", offload_ref, f"kl_coef = {loss.kl_coef}")
+    return TriModelPlan(old=old, ref=ref)
