@@ -101,18 +101,21 @@ class TriModel:
                               temperature=temperature, with_entropy=with_entropy)
 
     def run(
-        self, micro_batches: Sequence[PackedMicroBatch], *, loss: LossFn, forward_only: bool = False
+        self, micro_batches: Sequence[PackedMicroBatch], *, loss: LossFn, forward_only: bool = False,
+        finalize_grads: bool = True,
     ) -> list[Any]:
         """One micro-step: one schedule over ``micro_batches``, backward unless ``forward_only``.
 
         ``loss(logprobs, i)`` is called on the last PP stage for micro-batch ``i`` (in order)
         and returns ``(loss_i, payload_i)``; the losses are summed (see ``run_schedule``).
-        Returns the payloads on the last stage, ``[]`` elsewhere.
+        Returns the payloads on the last stage, ``[]`` elsewhere. ``finalize_grads=False`` skips
+        megatron's ``finalize_model_grads`` (DP reduction, tied-embedding sum): a trainer that
+        accumulates several micro-steps calls it once, after the last (summing twice is wrong).
         """
         if not micro_batches:
             raise ValueError("micro_batches is empty")
         items = list(enumerate(micro_batches))
-        with self._onloaded(), self._finalize_on_policy():
+        with self._onloaded(), self._finalize_on_policy(finalize_grads):
             return run_schedule(
                 self.stage, items,
                 forward_step=lambda stage, item: stage(item[1]),
@@ -158,15 +161,19 @@ class TriModel:
                 offload.release()
 
     @contextlib.contextmanager
-    def _finalize_on_policy(self) -> Iterator[None]:
+    def _finalize_on_policy(self, enabled: bool) -> Iterator[None]:
         """Megatron's ``finalize_model_grads`` (set by ``wrap_for_training``) gets the chunks the
-        schedule ran, here the ``TriStage``; scope it to the policy chunk it was made for."""
+        schedule ran, here the ``TriStage``; scope it to the policy chunk it was made for, or
+        switch it off for this schedule (``enabled=False``)."""
         config = self.stage.config
         original = config.finalize_model_grads_func
         if original is None:
             yield
             return
-        config.finalize_model_grads_func = lambda _chunks, *args, **kwargs: original([self.policy], *args, **kwargs)
+        if enabled:
+            config.finalize_model_grads_func = lambda _chunks, *a, **kw: original([self.policy], *a, **kw)
+        else:
+            config.finalize_model_grads_func = None
         try:
             yield
         finally:

@@ -1,0 +1,139 @@
+"""The trainer's accumulated gradient does not depend on how a batch is split or ordered.
+
+Same groups, same initial weights: one micro-batch vs a small token budget (several
+micro-batches), groups fed one at a time in shuffled order (as periodic asynchrony delivers
+them), and 2 data-parallel ranks each taking half: the weights after the optimizer step must
+agree. The reference for the gradient is an independent computation: every response as its
+own sequence through a stock-attention megatron model, the normalised batch loss written
+out in the test, one backward.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.hf_models import make_tiny_hf
+
+GROUP_SHAPES = [(6, (3, 1, 4)), (5, (2, 2)), (8, (5, 1, 3, 2)), (4, (1, 6))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    token_group: object
+    advantages: torch.Tensor
+    behav_logprobs: tuple
+    versions: tuple
+
+
+def make_groups(vocab: int):
+    from megatron_rl.attention.packing import TokenGroup
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for lp, lens in GROUP_SHAPES:
+        tg = TokenGroup(prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
+                        response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens))
+        out.append(Group(token_group=tg, advantages=torch.randn(len(lens), generator=g),
+                         behav_logprobs=tuple(-torch.rand(n, generator=g) for n in lens), versions=(0,) * len(lens)))
+    return out
+
+
+def _settings(path, kind):
+    from megatron_rl.algorithms import LossSettings
+    from megatron_rl.trainer.build import TrainerSettings
+    from megatron_rl.trainer.optim import OptimSettings
+
+    # SGD-like Adam (large eps): the update is a smooth function of the gradient, so the
+    # comparison tests the gradient, not Adam's sign() of near-zero entries.
+    return TrainerSettings(hf_path=path, attention_backend="split", loss=LossSettings(kind=kind, clip_high=0.28),
+                           optim=OptimSettings(lr=1e-2, adam_eps=1e-2, grad_clip=100.0), token_budget=10_000)
+
+
+def _trained_weights(policy, spec):
+    from megatron_rl.models import export_hf_tensors
+
+    return {n: t.clone() for n, t in export_hf_tensors(policy, spec)}
+
+
+def _trainer_worker(path, kind, budget, shuffle):
+    from megatron_rl.parallel.state import initialize_parallel
+    from megatron_rl.trainer.build import build_policy_trainer
+
+    _, layout = initialize_parallel(tp=1, pp=1)
+    settings = _settings(path, kind)
+    trainer, policy, spec = build_policy_trainer(settings)
+    trainer.token_budget = budget
+    groups = make_groups(spec.vocab_size)[layout.dp_rank::layout.dp]
+    trainer.begin_batch()
+    if shuffle:
+        random.Random(0).shuffle(groups)
+        for group in groups:
+            trainer.train_groups([group], current_version=0)
+    else:
+        trainer.train_groups(groups, current_version=0)
+    result = trainer.finish_mini_batch()
+    return _trained_weights(policy, spec), result.loss
+
+
+def _reference_worker(path, kind):
+    """Independent: K copies through stock megatron attention, batch loss written out here."""
+    from megatron_rl.models import load_model_from_hf
+    from megatron_rl.parallel.state import initialize_parallel
+    from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs
+    from megatron_rl.trainer.optim import wrap_for_training
+
+    initialize_parallel(tp=1, pp=1)
+    settings = _settings(path, kind)
+    model, spec = load_model_from_hf(path, attention_backend=None)
+    ddp, optimizer = wrap_for_training(model, settings.optim)
+    ddp.zero_grad_buffer()
+    terms, tokens, seqs = [], 0, 0
+    for group in make_groups(spec.vocab_size):
+        prompt = group.token_group.prompt_ids
+        for resp, adv in zip(group.token_group.response_ids, group.advantages, strict=True):
+            seq = torch.cat([prompt, resp])[None]
+            logits = ddp(seq, torch.arange(seq.shape[1])[None], attention_mask=None)
+            lp = vocab_parallel_logprobs(logits[0, prompt.numel() - 1 : -1], resp, vocab_size=spec.vocab_size)
+            ratio = torch.exp(lp - lp.detach())  # on-policy: ratio 1, gradient of ratio = grad logp
+            per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+            terms.append(per_token.sum() if kind == "dapo" else per_token.mean())
+            tokens, seqs = tokens + resp.numel(), seqs + 1
+    loss = torch.stack(terms).sum() / (tokens if kind == "dapo" else seqs)
+    loss.backward()
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
+    optimizer.step()
+    return _trained_weights(model, spec), float(loss)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(make_tiny_hf(tmp_path_factory.mktemp("hf") / "llama", "llama", tied=True, layers=2))
+
+
+def _assert_same(weights, ref):
+    for key, value in ref.items():
+        rel = (weights[key] - value).abs().max() / value.abs().max()
+        assert rel <= 1e-5, f"{key}: relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dapo"])
+def test_split_and_order_do_not_change_the_update(checkpoint, kind):
+    (ref, ref_loss), = run_distributed(_reference_worker, 1, checkpoint, kind)
+    runs = {
+        "one micro-batch": run_distributed(_trainer_worker, 1, checkpoint, kind, 10_000, False),
+        "budget 20: several micro-batches": run_distributed(_trainer_worker, 1, checkpoint, kind, 20, False),
+        "shuffled arrival, one group at a time": run_distributed(_trainer_worker, 1, checkpoint, kind, 10_000, True),
+        "2 DP ranks": run_distributed(_trainer_worker, 2, checkpoint, kind, 24, True),
+    }
+    for name, results in runs.items():
+        for weights, loss in results:
+            _assert_same(weights, ref)
+            if name != "2 DP ranks":
+                assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), name
