@@ -1,0 +1,127 @@
+"""Prompt sources -> lists of `PromptRecord`: reasoning_gym generators, .jsonl and .parquet files.
+
+    load_records("reasoning_gym:basic_arithmetic", size=1000, seed=0)
+    load_records("data/train.jsonl", prompt_key="question", answer_key="answer", size=500)
+
+Contract:
+- `reasoning_gym:<name>` calls `reasoning_gym.create_dataset(name, size=size, seed=seed)`
+  (offline, deterministic); the prompt is the entry's `question`, the answer its `answer`,
+  and `metadata` holds {"reasoning_gym": name, "entry": <the entry dict>} for the
+  `reasoning_gym` reward. `prompt_key` / `answer_key` do not apply.
+- Files hold one object per row. The `prompt_key` field is a string (a plain prompt) or a
+  list of {"role", "content"} objects (a chat); the `answer_key` field is a string or a
+  number (converted with `str`). Every other field goes to `metadata`. Rows past `size` are
+  ignored. Mistakes raise ValueError starting "<path>:<line>" (jsonl, 1-based, blank lines
+  skipped but counted) or "<path> row <n>" (parquet, 0-based) and naming the key.
+- `prompt_id` is "<name>:<seed>:<index>" for reasoning_gym and "<file name>:<line or row>"
+  for files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import numbers
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.data.records import ChatMessage, PromptRecord
+
+REASONING_GYM_PREFIX = "reasoning_gym:"
+
+
+def load_records(
+    source: str, *, prompt_key: str = "question", answer_key: str = "answer",
+    size: int | None = None, seed: int = 0,
+) -> list[PromptRecord]:
+    """Records of `source` (see module doc); `size` is required for reasoning_gym."""
+    if size is not None and size <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    if source.startswith(REASONING_GYM_PREFIX):
+        return reasoning_gym_records(source.removeprefix(REASONING_GYM_PREFIX), size=size, seed=seed)
+    path = Path(source)
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"data source must be 'reasoning_gym:<name>', a .jsonl or a .parquet file, "
+                         f"got {source!r}")
+    if not path.is_file():
+        raise ValueError(f"data source {source!r}: no such file")
+    rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
+    records = []
+    for n, row in rows:
+        if size is not None and len(records) == size:
+            break
+        where = f"{path}:{n}" if path.suffix == ".jsonl" else f"{path} row {n}"
+        records.append(record_from_row(row, prompt_id=f"{path.name}:{n}", where=where,
+                                       prompt_key=prompt_key, answer_key=answer_key))
+    return records
+
+
+def reasoning_gym_records(name: str, *, size: int | None, seed: int) -> list[PromptRecord]:
+    """`size` generated problems of reasoning_gym dataset `name` (deterministic in `seed`)."""
+    if size is None:
+        raise ValueError(f"reasoning_gym:{name} needs size (number of problems to generate)")
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed)
+    except ValueError as err:  # unknown name: reasoning_gym says "Dataset '<name>' not registered"
+        raise ValueError(f"data source 'reasoning_gym:{name}': {err}") from err
+    return [
+        PromptRecord(prompt_id=f"{name}:{seed}:{i}", text=entry["question"], answer=str(entry["answer"]),
+                     metadata={"reasoning_gym": name, "entry": entry})
+        for i, entry in enumerate(dataset)
+    ]
+
+
+def record_from_row(
+    row: Mapping[str, Any], *, prompt_id: str, where: str, prompt_key: str, answer_key: str,
+) -> PromptRecord:
+    """One file row -> PromptRecord; a ValueError starts with `where` ("file:line") and names the key."""
+    for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+        if key not in row:
+            raise ValueError(f"{where}: missing key {key!r} ({what}); keys present: {sorted(row)}")
+    prompt, answer = row[prompt_key], row[answer_key]
+    if isinstance(answer, bool) or not isinstance(answer, str | numbers.Number):
+        raise ValueError(f"{where}: answer {answer_key!r} must be a string or a number, "
+                         f"got {type(answer).__name__}")
+    metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    if isinstance(prompt, str):
+        return PromptRecord(prompt_id=prompt_id, text=prompt, answer=str(answer), metadata=metadata)
+    return PromptRecord(prompt_id=prompt_id, messages=_messages(prompt, where, prompt_key),
+                        answer=str(answer), metadata=metadata)
+
+
+def _messages(value: Any, where: str, key: str) -> tuple[ChatMessage, ...]:
+    """A list of {"role", "content"} objects -> ChatMessages (ValueError otherwise)."""
+    if not isinstance(value, list | tuple) or not all(isinstance(m, Mapping) for m in value):
+        raise ValueError(f"{where}: prompt {key!r} must be a string or a list of "
+                         f"{{'role', 'content'}} objects, got {type(value).__name__}")
+    try:
+        return tuple(ChatMessage(role=m.get("role"), content=m.get("content")) for m in value)
+    except ValueError as err:
+        raise ValueError(f"{where}: prompt {key!r}: {err}") from err
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(1-based line number, object) for every non-blank line of a JSON-lines file."""
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: invalid JSON: {err}") from err
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            yield line_no, row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(0-based row, dict of Python values) for every row of a parquet file (needs pyarrow)."""
+    if importlib.util.find_spec("pyarrow") is None:
+        raise ValueError(f"data source {str(path)!r}: reading .parquet needs pyarrow (pip install pyarrow)")
+    import pyarrow.parquet as pq
+
+    yield from enumerate(pq.read_table(path).to_pylist())

@@ -1,0 +1,27 @@
+"""Reward functions: (PromptRecord, response text) -> float, callable from any thread.
+
+Contract: `RewardFn` in `base.py`; the answer format is the last `\\boxed{...}` of the response
+(`extract_boxed`). Build one with `load_reward_fn("math_verify" | "exact_match" |
+"reasoning_gym" | "package.module:function")`.
+"""
+
+from megatron_rl.rewards.base import RewardFn, extract_boxed
+from megatron_rl.rewards.builtin import (
+    BUILTIN_REWARDS,
+    exact_match_reward,
+    math_verify_reward,
+    normalize_answer,
+    reasoning_gym_reward,
+)
+from megatron_rl.rewards.loader import load_reward_fn
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardFn",
+    "exact_match_reward",
+    "extract_boxed",
+    "load_reward_fn",
+    "math_verify_reward",
+    "normalize_answer",
+    "reasoning_gym_reward",
+]

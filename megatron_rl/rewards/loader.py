@@ -1,0 +1,41 @@
+"""Build a reward function from its config spec: a builtin name or a dotted path `pkg.mod:func`.
+
+The object at a dotted path must itself be the reward function (a function or a callable
+instance taking `(record, response_text)`); it is checked against the `RewardFn` protocol and
+its signature before any rollout starts. A class is refused: instantiate it at module level
+and point the spec at the instance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from megatron_rl.rewards.base import RewardFn
+from megatron_rl.rewards.builtin import BUILTIN_REWARDS
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """The reward function named by `spec` ("math_verify", "exact_match", "reasoning_gym", or
+    "package.module:function"); ValueError naming the spec if it cannot be used."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward fn must be one of {sorted(BUILTIN_REWARDS)} or "
+                         f"'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward fn {spec!r}: cannot import module {module_name!r}: {err}") from err
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward fn {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if inspect.isclass(fn) or not isinstance(fn, RewardFn):
+        raise ValueError(f"reward fn {spec!r} must be a function or callable instance taking "
+                         f"(record, response_text), got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(None, "")
+    except TypeError as err:
+        raise ValueError(f"reward fn {spec!r} cannot be called as fn(record, response_text): {err}") from err
+    return fn
