@@ -60,13 +60,19 @@ def _row(result: PolicyResult) -> dict[str, float | int]:
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison, print one JSON line, return 0 if every check holds."""
     args = parse_args(argv)
-    settings = SAGCSettings(delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta,
-                            lambda_max=args.lambda_max, seed=args.seed)
+    try:
+        settings = SAGCSettings(
+            delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta, lambda_max=args.lambda_max, seed=args.seed
+        )
+    except ValueError as err:  # a bad flag value: report it like argparse does, no traceback
+        print(f"simulate_sagc.py: error: {err}", file=sys.stderr)
+        return 2
     lengths = LengthModel()
     if args.no_stragglers:
         lengths = dataclasses.replace(lengths, tail_prob=0.0)
-    results = compare_policies(settings=settings, steps=args.steps, prompts=args.prompts,
-                               seed=args.seed, lengths=lengths, cost=CostModel())
+    results = compare_policies(
+        settings=settings, steps=args.steps, prompts=args.prompts, seed=args.seed, lengths=lengths, cost=CostModel()
+    )
     sagc, g_max = results["sagc"], settings.candidates[-1]
     checks = {"straggler_within_delta": sagc.straggler_rate <= args.delta + SLACK}
     if args.no_stragglers:
