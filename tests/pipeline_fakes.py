@@ -1,0 +1,182 @@
+"""Test doubles for the pipeline: a deterministic rollout engine, prompts, rewards, a trainer.
+
+FakeEngine: a result's tokens are a function of (request seed, weight version) only
+(``sample_tokens``); results come back in a shuffled completion order (seeded per call); optional
+per-result delay and failure injection. FakeTrainer records what it is given and syncs the
+engine in ``finish_batch`` the way the real trainer must.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from megatron_rl.control import FixedController
+from megatron_rl.pipeline import GroupScoring, MicroBatch, Pipeline, PipelineSettings
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
+
+MAX_NEW_TOKENS = 6
+
+
+def sample_tokens(seed: int, version: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The fake engine's sample for a request seed under a weight version: (tokens, log-probs)."""
+    rng = random.Random(f"{seed}:{version}")
+    n = rng.randint(1, MAX_NEW_TOKENS)
+    tokens = tuple(rng.randrange(3, 50) for _ in range(n))
+    return tokens, tuple(-rng.random() for _ in range(n))
+
+
+class FakeEngine:
+    """Deterministic ``RolloutEngine`` with shuffled completion order, delays and failures."""
+
+    def __init__(self, *, version: int = 0, order_seed: int = 0, delay_s: float = 0.0,
+                 fail_after: int | None = None, block_after: int | None = None) -> None:
+        self._version, self._lock = version, threading.Lock()
+        self.order_seed, self.delay_s, self.fail_after, self.block_after = order_seed, delay_s, fail_after, block_after
+        self.calls: list[tuple[int, int]] = []  # (step of the requests, engine version at the call)
+        self.results: list[GenerationResult] = []
+        self.updates: list[int] = []
+        self.shutdown_calls = 0
+        self._shut = threading.Event()
+
+    @property
+    def weight_version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def update_weights(self, snapshot_dir: str, version: int) -> None:
+        with self._lock:
+            self._version = version
+            self.updates.append(version)
+
+    def shutdown(self) -> None:
+        self.shutdown_calls += 1
+        self._shut.set()
+
+    def generate(self, requests):
+        self.calls.append((int(requests[0].request_id.split("/")[0]), self.weight_version))
+        order = list(range(len(requests)))
+        random.Random(self.order_seed * 1000 + len(self.calls)).shuffle(order)
+        for n, idx in enumerate(order):
+            if self.fail_after is not None and n >= self.fail_after:
+                raise RuntimeError("engine exploded")
+            if self.block_after is not None and n >= self.block_after:
+                self._shut.wait()  # a stuck worker: only shutdown() releases it
+                raise RuntimeError("engine shut down while generating")
+            time.sleep(self.delay_s)
+            result = self._answer(requests[idx])
+            self.results.append(result)
+            yield result
+
+    def _answer(self, req: GenerationRequest) -> GenerationResult:
+        version = self.weight_version
+        tokens, logprobs = sample_tokens(req.sampling.seed, version)
+        return GenerationResult(
+            request_id=req.request_id, prompt_ids=req.prompt_ids, response_ids=tokens, logprobs=logprobs,
+            finish_reason="length" if len(tokens) == MAX_NEW_TOKENS else "stop", weight_version=version,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FakeRecord:
+    prompt_id: str
+    answer: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FakeItem:
+    record: FakeRecord
+    token_ids: tuple[int, ...]
+
+
+class FakePrompts:
+    """Consecutive slices of ``ids`` (cyclic), with a ``state_dict``."""
+
+    def __init__(self, ids: list[str], per_batch: int) -> None:
+        self.items = [FakeItem(record=FakeRecord(prompt_id=p), token_ids=(1, 2 + i % 5, 7)[: 1 + i % 3])
+                      for i, p in enumerate(ids)]
+        self.per_batch, self.position = per_batch, 0
+
+    def next_batch(self) -> list[FakeItem]:
+        out = [self.items[(self.position + j) % len(self.items)] for j in range(self.per_batch)]
+        self.position += self.per_batch
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+
+def detokenize(ids) -> str:
+    return " ".join(str(t) for t in ids)
+
+
+def parity_reward(record: FakeRecord, text: str) -> float:
+    """1 if the first token is even, else 0; prompts named "const*" always score 0.5."""
+    if record.prompt_id.startswith("const"):
+        return 0.5
+    return float(int(text.split()[0]) % 2 == 0)
+
+
+class FakeTrainer:
+    """Records micro-batches and summaries; ``finish_batch`` syncs the engine to version + 1."""
+
+    def __init__(self, engine: FakeEngine, *, sleep_s: float = 0.0, fail_micro_at: int | None = None,
+                 fail_finish_at: int | None = None) -> None:
+        self.engine, self.sleep_s = engine, sleep_s
+        self.fail_micro_at, self.fail_finish_at = fail_micro_at, fail_finish_at
+        self.micro_batches: list[MicroBatch] = []
+        self.summaries = []
+
+    def train_micro_batch(self, mb: MicroBatch) -> dict[str, float]:
+        time.sleep(self.sleep_s)
+        if self.fail_micro_at is not None and len(self.micro_batches) == self.fail_micro_at:
+            raise ValueError("trainer exploded")
+        self.micro_batches.append(mb)
+        return {"tokens": float(mb.packed.num_tokens)}
+
+    def finish_batch(self, summary) -> int:
+        if self.fail_finish_at is not None and len(self.summaries) == self.fail_finish_at:
+            raise ValueError("optimizer exploded")
+        self.summaries.append(summary)
+        version = summary.policy_version + 1
+        self.engine.update_weights(f"/snapshots/{version}", version)
+        return version
+
+
+def make_pipeline(engine, *, mode="periodic", max_staleness=0, prompts=None, controller=None, num_steps=3,
+                  queue_size=64, dynamic_sampling=False, tokens=4096, flush_when_idle=True,
+                  reward_fn=parity_reward) -> Pipeline:
+    """A pipeline over 6 prompts per batch (G = 4 unless ``controller`` says otherwise)."""
+    return Pipeline(
+        engine=engine, prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
+        reward_fn=reward_fn, detokenize=detokenize, controller=controller or FixedController(4),
+        sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS),
+        scoring=GroupScoring(dynamic_sampling=dynamic_sampling),
+        settings=PipelineSettings(mode=mode, max_staleness=max_staleness, queue_size=queue_size, seed=7,
+                                  micro_batch_tokens=tokens, flush_when_idle=flush_when_idle, poll_s=0.01,
+                                  join_timeout_s=5.0),
+        num_steps=num_steps,
+    )
+
+
+def producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "megatron_rl-producer"]
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail (TimeoutError in the main thread) instead of hanging past ``seconds``."""
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"test ran past {seconds} s: the pipeline probably hangs")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
