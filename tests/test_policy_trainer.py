@@ -11,7 +11,6 @@ out in the test, one backward.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,24 +21,21 @@ from tests.hf_models import make_tiny_hf
 GROUP_SHAPES = [(6, (3, 1, 4)), (5, (2, 2)), (8, (5, 1, 3, 2)), (4, (1, 6))]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Group:
-    token_group: object
-    advantages: torch.Tensor
-    behav_logprobs: tuple
-    versions: tuple
-
-
 def make_groups(vocab: int):
-    from megatron_rl.attention.packing import TokenGroup
+    """Scored groups as the producer makes them (random tokens, advantages, behaviour log-probs)."""
+    from megatron_rl.pipeline.records import Sample, ScoredGroup
 
     g = torch.Generator().manual_seed(5)
     out = []
-    for lp, lens in GROUP_SHAPES:
-        tg = TokenGroup(prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
-                        response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens))
-        out.append(Group(token_group=tg, advantages=torch.randn(len(lens), generator=g),
-                         behav_logprobs=tuple(-torch.rand(n, generator=g) for n in lens), versions=(0,) * len(lens)))
+    for i, (lp, lens) in enumerate(GROUP_SHAPES):
+        prompt = tuple(torch.randint(0, vocab, (lp,), generator=g).tolist())
+        samples = tuple(Sample(prompt_id=f"p{i}", request_id=f"0/p{i}/{k}", index=k, prompt_ids=prompt,
+                               response_ids=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()),
+                               behav_logprobs=tuple((-torch.rand(n, generator=g)).tolist()), weight_version=0,
+                               finish_reason="stop", reward=0.0) for k, n in enumerate(lens))
+        out.append(ScoredGroup(step=0, prompt_index=i, prompt_id=f"p{i}", samples=samples,
+                               rewards=torch.zeros(len(lens)), advantages=torch.randn(len(lens), generator=g),
+                               kept=True))
     return out
 
 
@@ -51,7 +47,7 @@ def _settings(path, kind):
     # SGD-like Adam (large eps): the update is a smooth function of the gradient, so the
     # comparison tests the gradient, not Adam's sign() of near-zero entries.
     return TrainerSettings(hf_path=path, attention_backend="split", loss=LossSettings(kind=kind, clip_high=0.28),
-                           optim=OptimSettings(lr=1e-2, adam_eps=1e-2, grad_clip=100.0), token_budget=10_000)
+                           optim=OptimSettings(lr=1e-2, adam_eps=1e-2, grad_clip=100.0))
 
 
 def _trained_weights(policy, spec):
@@ -66,16 +62,15 @@ def _trainer_worker(path, kind, budget, shuffle):
 
     _, layout = initialize_parallel(tp=1, pp=1)
     settings = _settings(path, kind)
+    from megatron_rl.pipeline.records import chunk_by_tokens, make_micro_batch
+
     trainer, policy, spec = build_policy_trainer(settings)
-    trainer.token_budget = budget
-    groups = make_groups(spec.vocab_size)[layout.dp_rank::layout.dp]
-    trainer.begin_batch()
+    groups = make_groups(spec.vocab_size)[layout.dp_rank :: layout.dp]
     if shuffle:
         random.Random(0).shuffle(groups)
-        for group in groups:
-            trainer.train_groups([group], current_version=0)
-    else:
-        trainer.train_groups(groups, current_version=0)
+    trainer.begin_batch()
+    for chunk in chunk_by_tokens(groups, budget):
+        trainer.train_micro_batch(make_micro_batch(chunk, policy_version=0))
     result = trainer.finish_mini_batch()
     return _trained_weights(policy, spec), result.loss
 
@@ -94,8 +89,9 @@ def _reference_worker(path, kind):
     ddp.zero_grad_buffer()
     terms, tokens, seqs = [], 0, 0
     for group in make_groups(spec.vocab_size):
-        prompt = group.token_group.prompt_ids
-        for resp, adv in zip(group.token_group.response_ids, group.advantages, strict=True):
+        prompt = torch.tensor(group.samples[0].prompt_ids)
+        for sample, adv in zip(group.samples, group.advantages, strict=True):
+            resp = torch.tensor(sample.response_ids)
             seq = torch.cat([prompt, resp])[None]
             logits = ddp(seq, torch.arange(seq.shape[1])[None], attention_mask=None)
             lp = vocab_parallel_logprobs(logits[0, prompt.numel() - 1 : -1], resp, vocab_size=spec.vocab_size)
@@ -129,7 +125,7 @@ def test_split_and_order_do_not_change_the_update(checkpoint, kind):
     runs = {
         "one micro-batch": run_distributed(_trainer_worker, 1, checkpoint, kind, 10_000, False),
         "budget 20: several micro-batches": run_distributed(_trainer_worker, 1, checkpoint, kind, 20, False),
-        "shuffled arrival, one group at a time": run_distributed(_trainer_worker, 1, checkpoint, kind, 10_000, True),
+        "shuffled arrival, one group at a time": run_distributed(_trainer_worker, 1, checkpoint, kind, 20, True),
         "2 DP ranks": run_distributed(_trainer_worker, 2, checkpoint, kind, 24, True),
     }
     for name, results in runs.items():

@@ -25,7 +25,6 @@ class TrainerSettings:
     loss: LossSettings
     optim: OptimSettings
     optimizer_steps_per_batch: int = 1
-    token_budget: int = 4096
     temperature: float = 1.0
     offload_old: bool = False
     offload_ref: bool = False
@@ -44,6 +43,5 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
     old, ref = load_frozen_copies(plan, policy_path=Path(settings.hf_path), ref_path=settings.ref_path, **build)
     trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
                         temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0)
-    trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss,
-                            token_budget=settings.token_budget)
+    trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss)
     return trainer, policy, spec

@@ -1,9 +1,8 @@
 """Train the policy on scored groups as they arrive; one optimizer step per mini-batch.
 
 ``PolicyTrainer`` is the trainer side of the pipeline (``megatron_rl.pipeline``):
-``train_groups`` packs groups into shared-prompt micro-batches under the token budget and
-runs a tri-model micro-step on each (forward + backward, gradients accumulate);
-``finish_mini_batch`` performs the optimizer step.
+``train_micro_batch`` runs a tri-model micro-step on one packed ``MicroBatch`` (forward +
+backward, gradients accumulate); ``finish_mini_batch`` performs the optimizer step.
 
 Loss normalisation (DESIGN §5): groups arrive over time, so the batch's denominator (token
 or sequence count) is unknown at the first backward. Every micro-batch therefore
@@ -15,25 +14,15 @@ normalised loss however the batch was split or ordered.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
-from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, pack_groups, unpack_logprobs_padded
+from megatron_rl.attention.packing import unpack_logprobs_padded
+from megatron_rl.pipeline.records import MicroBatch
 from megatron_rl.trimodel import TriLogprobs, TriModel
-
-
-class TrainableGroup(Protocol):
-    """What the trainer needs of a scored group (``pipeline.records`` provides it)."""
-
-    token_group: TokenGroup
-    advantages: torch.Tensor  # [K]
-    behav_logprobs: tuple[torch.Tensor, ...]  # K x [Lr_i], from the rollout engine
-    versions: tuple[int, ...]  # K: weight version that generated each response
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,16 +35,11 @@ class MiniBatchResult:
     metrics: dict[str, float]
 
 
-def _pad(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
-
-
 class PolicyTrainer:
     """Tri-model micro-steps with deferred normalisation, then megatron's optimizer step."""
 
-    def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings, token_budget: int) -> None:
+    def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings) -> None:
         self.trimodel, self.ddp, self.optimizer, self.loss = trimodel, ddp, optimizer, loss
-        self.token_budget = token_budget
         self._reset()
 
     def _reset(self) -> None:
@@ -69,38 +53,21 @@ class PolicyTrainer:
         """Iteration start: snapshot the policy into the old copy (when the plan keeps one)."""
         self.trimodel.refresh_old()
 
-    def train_groups(self, groups: Sequence[TrainableGroup], *, current_version: int) -> None:
-        """Forward + backward of ``groups`` (packed, under the token budget); gradients accumulate."""
-        micro_batches = pack_groups([g.token_group for g in groups], self.token_budget)
-        start = 0
-        for mb in micro_batches:
-            members = self._members(groups, start, mb)
-            start += len(members)
-            self.trimodel.run([mb], loss=lambda lp, _i, mb=mb, members=members: self._micro_loss(
-                lp, mb, members, current_version), finalize_grads=False)
+    def train_micro_batch(self, mb: MicroBatch) -> None:
+        """Forward + backward of one packed micro-batch; gradients accumulate until the step."""
+        self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb), finalize_grads=False)
 
-    @staticmethod
-    def _members(groups: Sequence[TrainableGroup], start: int, mb: PackedMicroBatch) -> list[TrainableGroup]:
-        members, n = [], 0
-        for g in groups[start:]:
-            if n == mb.num_responses:
-                break
-            members.append(g)
-            n += len(g.token_group.response_ids)
-        assert n == mb.num_responses, "micro-batch does not cover whole groups"
-        return members
-
-    def _micro_loss(self, lp: TriLogprobs, mb: PackedMicroBatch, members, current_version: int):
-        logp, mask = unpack_logprobs_padded(lp.policy, mb)
-        old = None if lp.old_is_policy else unpack_logprobs_padded(lp.old, mb)[0]
-        ref = unpack_logprobs_padded(lp.ref, mb)[0] if lp.ref is not None else None
-        entropy = unpack_logprobs_padded(lp.entropy, mb)[0] if lp.entropy is not None else None
-        behav = _pad([b for g in members for b in g.behav_logprobs])
-        versions = torch.tensor([v for g in members for v in g.versions])[:, None].expand_as(mask)
-        advantages = torch.cat([g.advantages for g in members]).to(logp.dtype)
-        out = policy_loss(self.loss, logp=logp, mask=mask, advantages=advantages, denominator=1.0,
-                          old_logp=old, ref_logp=ref, behav_logp=behav.to(logp.dtype), versions=versions,
-                          current_version=current_version, entropy=entropy)
+    def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch):
+        packed = mb.packed
+        logp, mask = unpack_logprobs_padded(lp.policy, packed)
+        old = None if lp.old_is_policy else unpack_logprobs_padded(lp.old, packed)[0]
+        ref = unpack_logprobs_padded(lp.ref, packed)[0] if lp.ref is not None else None
+        entropy = unpack_logprobs_padded(lp.entropy, packed)[0] if lp.entropy is not None else None
+        behav = unpack_logprobs_padded(mb.behav_logprobs.to(logp.dtype), packed)[0]
+        out = policy_loss(self.loss, logp=logp, mask=mask, advantages=mb.advantages.to(logp.dtype),
+                          denominator=1.0, old_logp=old, ref_logp=ref, behav_logp=behav,
+                          versions=mb.versions[:, None].expand_as(mask), current_version=mb.policy_version,
+                          entropy=entropy)
         self._numerator += out.loss.detach().to(torch.float64)
         self._denominator += loss_denominator(self.loss, mask)
         self._metrics = out.metrics if self._metrics is None else self._metrics.merge(out.metrics)
