@@ -57,8 +57,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
+    # Not daemonic: a rank may start processes of its own (rollout engine workers).
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False) for r in range(world_size)
     ]
     for p in procs:
         p.start()

@@ -119,6 +119,7 @@ class RolloutConfig:
     num_engines: int = 1  # number of engine processes
     devices: list[str] = field(default_factory=list)  # e.g. ["cuda:4", "cuda:5"]; [] = engine default
     tensor_parallel_size: int = 1  # TP size inside each engine
+    max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
     vllm: dict[str, Any] = field(default_factory=dict)  # pass-through vLLM engine kwargs
 
@@ -191,6 +192,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # global grad-norm clip; 0 disables
     adam_beta1: float = 0.9  # Adam β1
     adam_beta2: float = 0.999  # Adam β2
+    adam_eps: float = 1e-8  # Adam ε
     seed: int = 1234  # model/optimizer RNG seed
     save_dir: str | None = None  # checkpoint dir; None = no checkpoints
     save_every: int = 0  # save every N steps (0 = only at the end, if save_dir is set)

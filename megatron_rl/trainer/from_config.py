@@ -1,0 +1,133 @@
+"""Turn the validated ``Config`` into the settings each component takes (one place, one way).
+
+Components never read the config tree themselves (STYLE 3): they take small typed settings
+objects, built here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algorithms import LossSettings
+from megatron_rl.config import Config
+from megatron_rl.control import SAGCSettings
+from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
+from megatron_rl.rollout import EngineSettings, SamplingSettings
+from megatron_rl.trainer.build import TrainerSettings
+from megatron_rl.trainer.optim import OptimSettings
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def loss_settings(cfg: Config) -> LossSettings:
+    a = cfg.algorithm
+    return LossSettings(
+        kind=a.loss,
+        clip_low=a.clip.low,
+        clip_high=a.clip.high,
+        kl_coef=a.kl.coef,
+        kl_estimator=a.kl.estimator,
+        entropy_coef=a.entropy_coef,
+        proximal=a.proximal,
+        behav_weight_cap=a.behav_weight_cap,
+        max_response_len=cfg.rollout.sampling.max_new_tokens,
+    )
+
+
+def trainer_settings(cfg: Config) -> TrainerSettings:
+    t = cfg.trainer
+    optim = OptimSettings(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        grad_clip=t.grad_clip,
+        distributed_optimizer=cfg.parallel.distributed_optimizer,
+    )
+    return TrainerSettings(
+        hf_path=cfg.model.hf_path,
+        params_dtype=_DTYPES[cfg.model.dtype],
+        attention_backend=cfg.attention.backend,
+        loss=loss_settings(cfg),
+        optim=optim,
+        optimizer_steps_per_batch=t.mini_batches,
+        temperature=cfg.algorithm.temperature,
+        offload_old=t.offload_old,
+        offload_ref=t.offload_reference,
+    )
+
+
+def engine_settings(cfg: Config) -> EngineSettings:
+    r = cfg.rollout
+    return EngineSettings(
+        backend=r.engine,
+        model_path=cfg.model.hf_path,
+        num_workers=r.num_engines,
+        devices=tuple(r.devices),
+        tensor_parallel_size=r.tensor_parallel_size,
+        dtype=cfg.model.dtype,
+        max_batch_size=r.max_batch_size,
+        seed=r.sampling.seed,
+        vllm_kwargs=dict(r.vllm),
+    )
+
+
+def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
+    """Sampling parameters; ``rollout.sampling.stop`` strings must each be one token of ``tokenizer``."""
+    s = cfg.rollout.sampling
+    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for text in s.stop:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"rollout.sampling.stop: {text!r} is {len(ids)} tokens; stop strings must be one token")
+        stop_ids.append(ids[0])
+    return SamplingSettings(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+    )
+
+
+def group_scoring(cfg: Config) -> GroupScoring:
+    a = cfg.algorithm
+    if a.advantage.scale == "batch":
+        raise ValueError(
+            "algorithm.advantage.scale: 'batch' needs the whole batch before the first group can "
+            "train, which defeats periodic asynchrony; use 'group' or 'none'"
+        )
+    overlong = None
+    if a.overlong.enabled:
+        overlong = OverlongShaping(
+            max_len=cfg.rollout.sampling.max_new_tokens, buffer=a.overlong.buffer, penalty=a.overlong.penalty
+        )
+    return GroupScoring(advantage_scale=a.advantage.scale, dynamic_sampling=a.dynamic_sampling, overlong=overlong)
+
+
+def pipeline_settings(cfg: Config) -> PipelineSettings:
+    p = cfg.pipeline
+    return PipelineSettings(
+        mode=p.mode,
+        max_staleness=p.max_staleness,
+        queue_size=p.queue_size,
+        micro_batch_tokens=p.micro_batch_tokens,
+        seed=cfg.rollout.sampling.seed,
+    )
+
+
+def sagc_settings(cfg: Config) -> SAGCSettings:
+    s = cfg.control.sagc
+    return SAGCSettings(
+        candidates=tuple(s.candidates),
+        initial=cfg.control.group_size,
+        tau=s.tau,
+        delta=s.delta,
+        gamma=s.gamma,
+        eta=s.eta,
+        lambda_max=s.lambda_max,
+        prior_alpha=s.prior_alpha,
+        prior_beta=s.prior_beta,
+        forget_unchosen=s.forget_unchosen,
+        seed=s.seed,
+    )
