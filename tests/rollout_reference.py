@@ -1,0 +1,61 @@
+"""Reference computations shared by the rollout engine tests (independent of the engines).
+
+``trainer_update(hf_dir, snap_dir, prompts, max_new)`` plays the trainer: it builds the
+megatron model from ``hf_dir`` (TP=1, PP=1, fp32), perturbs every parameter (the "optimizer
+step"), writes the weight snapshot with ``save_hf_checkpoint`` and returns, per prompt, the
+megatron model's own greedy continuation and its log-probs at temperature 1. Run it in a
+process of its own (``tests.distributed.run_distributed``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.rollout import GenerationRequest, SamplingSettings
+
+
+def trainer_update(hf_dir: str, snap_dir: str, prompts: list[tuple[int, ...]], max_new: int):
+    from megatron_rl.models import load_model_from_hf, save_hf_checkpoint
+    from megatron_rl.parallel.inference import forward_logits, forward_logprobs
+    from megatron_rl.parallel.state import initialize_parallel
+
+    initialize_parallel(tp=1, pp=1)
+    model, spec = load_model_from_hf(hf_dir)
+    model.eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=gen))
+    save_hf_checkpoint(model, spec, snap_dir, source_dir=hf_dir)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor(prompt)
+        for _ in range(max_new):
+            logits = forward_logits(model, ids[None], vocab_size=spec.vocab_size)[0, -1]
+            ids = torch.cat([ids, logits.argmax()[None]])
+        lps = forward_logprobs(model, ids[None], vocab_size=spec.vocab_size, temperature=1.0)[0, len(prompt) - 1:]
+        out.append((tuple(ids[len(prompt):].tolist()), lps.tolist()))
+    return out
+
+
+def hf_teacher_forced_logprobs(hf_dir, prompt: tuple[int, ...], response: tuple[int, ...], temperature: float):
+    """Under transformers: ``log_softmax(logits / T)`` of each response token and the argmax token
+    at each response position (both ``[len(response)]``; T = 1 for greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+    t = temperature if temperature > 0 else 1.0
+    logprobs = torch.log_softmax(logits / t, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+    return logprobs, logits.argmax(-1)
+
+
+def request(rid: str, prompt: tuple[int, ...], *, temperature=1.0, top_p=1.0, max_new=8, stop=(), seed=None):
+    """A ``GenerationRequest`` with the given sampling settings."""
+    return GenerationRequest(
+        request_id=rid, prompt_ids=prompt,
+        sampling=SamplingSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
+                                  stop_token_ids=tuple(stop), seed=seed),
+    )
