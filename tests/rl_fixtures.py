@@ -1,40 +1,16 @@
-"""A tiny RL setting that runs in seconds: a character-level tokenizer, a tiny random Llama
-with that vocabulary, and a YAML config pointing at them (hf engine, reasoning_gym data)."""
+"""A tiny RL setting that runs in seconds: a tiny random Llama with a character-level tokenizer
+(``megatron_rl.models.synthetic``) and a YAML config pointing at it (hf engine, reasoning_gym data)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-CHARS = list("0123456789+-*/=()., ?!:;'\"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n\\{}")
-SPECIALS = ["<pad>", "<eos>", "<unk>"]
-
-
-def make_char_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` (vocabulary: SPECIALS + CHARS)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
 
 def make_tiny_rl_model(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
-    """Tiny random Llama (head_dim 32) + the char tokenizer, saved as a HF checkpoint at ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Tiny random Llama (head_dim 32, 2 KV heads: TP 1 or 2) with the char tokenizer at ``path``."""
+    from megatron_rl.models.synthetic import write_char_llama
 
-    tokenizer = make_char_tokenizer()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return write_char_llama(path, hidden=64, layers=layers, heads=2, kv_heads=2, seed=seed)
 
 
 def tiny_rl_config(tmp: Path, model: Path, **sections) -> Path:

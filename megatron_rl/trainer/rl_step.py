@@ -14,6 +14,7 @@ each time another share of the batch's groups has been trained.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class RLStep:
         self.groups_per_mini_batch = groups_per_mini_batch
         self.channel = channel
         self.results: list[MiniBatchResult] = []
+        self.seconds = {"train": 0.0, "weight_sync": 0.0}  # since the last pop_results()
         self._groups_since_step = 0
         self.trainer.begin_batch()
 
@@ -79,16 +81,21 @@ class RLStep:
 
     # -- executed identically on every rank of the replica ----------------------------------
     def _train(self, mb: MicroBatch) -> None:
+        start = time.perf_counter()
         self.trainer.train_micro_batch(mb)
         self._groups_since_step += len(mb.groups)
         if self.groups_per_mini_batch and self._groups_since_step >= self.groups_per_mini_batch:
             self.results.append(self.trainer.finish_mini_batch())
             self._groups_since_step = 0
+        self.seconds["train"] += time.perf_counter() - start
 
     def _finish(self, version: int) -> int:
+        start = time.perf_counter()
         if self._groups_since_step > 0 or not self.results:
             self.results.append(self.trainer.finish_mini_batch())
         self._groups_since_step = 0
+        synced = time.perf_counter()
+        self.seconds["train"] += synced - start
         new_version = version + 1
         snapshot = self.snapshot_root / f"v{new_version}"
         save_hf_checkpoint(self.policy, self.spec, snapshot, source_dir=self.source_dir)
@@ -96,15 +103,17 @@ class RLStep:
             self.engine.update_weights(str(snapshot), new_version)
             shutil.rmtree(self.snapshot_root / f"v{new_version - 2}", ignore_errors=True)  # keep two
         self.trainer.begin_batch()
+        self.seconds["weight_sync"] += time.perf_counter() - synced
         return new_version
 
     def _save(self, path: str) -> None:
         save_hf_checkpoint(self.policy, self.spec, path, source_dir=self.source_dir)
 
-    def pop_results(self) -> list[MiniBatchResult]:
-        """The optimizer steps since the last call (for the metrics)."""
-        out, self.results = self.results, []
-        return out
+    def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
+        """The optimizer steps and the seconds spent training / syncing since the last call."""
+        out, seconds = self.results, self.seconds
+        self.results, self.seconds = [], {"train": 0.0, "weight_sync": 0.0}
+        return out, seconds
 
 
 def follow(step: RLStep) -> None:
