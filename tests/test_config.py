@@ -109,7 +109,7 @@ def test_example_recipes_say_what_they_are():
 SPEC_DEFAULTS = {
     "model.dtype": "bfloat16", "model.make_vocab_size_divisible_by": 128, "model.megatron": {},
     "parallel.tp": 1, "parallel.pp": 1, "parallel.dp": None, "parallel.distributed_optimizer": False,
-    "attention.backend": "auto", "attention.pack_groups": True,
+    "attention.backend": "auto",
     "algorithm.loss": "grpo", "algorithm.advantage.scale": "group", "algorithm.advantage.eps": 1e-6,
     "algorithm.clip.low": 0.2, "algorithm.clip.high": 0.2, "algorithm.overlong.enabled": False,
     "algorithm.proximal": "recompute", "algorithm.behav_weight_cap": None, "algorithm.kl.coef": 0.0,
@@ -162,7 +162,7 @@ def test_empty_section_means_defaults(tmp_path):
         ("trainer:\n  steps: 2.5\n", "trainer.steps", ["int", "2.5"]),
         ("trainer:\n  steps: 3\n  lr: fast\n", "trainer.lr", ["float", "'fast'"]),
         ("trainer:\n  steps: 3\n  save_dir: 7\n", "trainer.save_dir", ["str", "7"]),
-        ("trainer:\n  steps: 3\nattention:\n  pack_groups: 1\n", "attention.pack_groups", ["bool", "1"]),
+        ("trainer:\n  steps: 3\nalgorithm:\n  dynamic_sampling: 1\n", "algorithm.dynamic_sampling", ["bool", "1"]),
         (
             "trainer:\n  steps: 3\nmodel:\n  hf_path: /m\n  dtype: bfloat61\n",
             "model.dtype",

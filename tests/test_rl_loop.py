@@ -71,3 +71,23 @@ def test_periodic_equals_sync_after_three_steps(setup, tp):
         assert all(h["rollout/staleness_max"] == 0 for h in hist)  # every sample carries the batch version
     assert any(h["loss/value"] != 0 for h in sync_hist)
     assert torch.isfinite(torch.tensor([h["loss/value"] for h in periodic_hist])).all()
+
+
+def _stale_worker(config_path: str, overrides: list[str]):
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.loop import train
+
+    return train(load_config(config_path, overrides), platform="cpu")
+
+
+def test_stale_mode_runs_ahead_within_the_bound(setup):
+    """stale + A-3PO: generation of batch t+1 overlaps the update of batch t; samples are at most
+    max_staleness versions old, the weight update waits for the generate call in progress."""
+    tmp, config = setup
+    overrides = ["pipeline.mode=stale", "pipeline.max_staleness=1", "algorithm.loss=ppo_decoupled",
+                 "algorithm.proximal=loglinear", "trainer.steps=4"]
+    (history,) = run_distributed(_stale_worker, 1, config, overrides, timeout_s=600)
+    assert [h["train/version"] for h in history] == [1.0, 2.0, 3.0, 4.0]
+    staleness = [h["rollout/staleness_max"] for h in history]
+    assert max(staleness) <= 1
+    assert all(torch.isfinite(torch.tensor(h["loss/value"])) for h in history)

@@ -46,7 +46,6 @@ class AttentionConfig:
     """Shared-prompt attention: how a group [prompt, r_1, …, r_K] is laid out and computed."""
 
     backend: AttentionBackend = "auto"  # auto picks by device; npu needs torch_npu (checked at run)
-    pack_groups: bool = True  # shared-prompt packing; false = K copies of the prompt
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,6 +145,13 @@ def check_staleness(cfg: Config) -> Found:
                 "algorithm.loss",
                 f"pipeline.mode 'stale' needs algorithm.loss 'ppo_decoupled' ({why}), got {loss!r}",
             )
+        ahead = (d + 1) * cfg.trainer.prompts_per_batch
+        if d >= 1 and cfg.pipeline.queue_size < ahead:
+            yield (
+                "pipeline.queue_size",
+                f"{cfg.pipeline.queue_size} cannot hold the {ahead} groups (max_staleness + 1) x prompts_per_batch "
+                "the producer may run ahead by; a weight update would wait on a full queue",
+            )
     elif d > 0:
         fix = "set it to 0 or use pipeline.mode 'stale'"
         yield "pipeline.max_staleness", f"{d} > 0 needs pipeline.mode 'stale', got {mode!r}; {fix}"

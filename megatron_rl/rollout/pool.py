@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import pickle
+import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -85,6 +86,10 @@ class WorkerPool:
         self._max_restarts = max_restarts
         self._start_timeout_s = start_timeout_s
         self._snapshot: str | None = None
+        # generate() and update_weights() may come from different threads (stale mode: the
+        # producer generates batch t+1 while the trainer syncs version t+1): a weight update
+        # waits for the generate call in progress, so every batch runs on one version.
+        self._lock = threading.RLock()
         self._version = 0
         self._active = False
         self._broken: str | None = None  # set when workers may run different weights
@@ -123,7 +128,6 @@ class WorkerPool:
         for r in requests:
             if not r.prompt_ids:
                 raise ValueError(f"requests: request {r.request_id!r} has an empty prompt")
-        self._check_idle("generate")
         return self._generate(list(requests))
 
     def update_weights(self, snapshot_dir: str, version: int) -> None:
@@ -132,8 +136,12 @@ class WorkerPool:
             raise ValueError(f"snapshot_dir={snapshot_dir!r} is not a directory")
         if version <= self._version:
             raise ValueError(f"version={version} must exceed the current weight_version {self._version}")
+        with self._lock:
+            self._load(str(snapshot_dir), version)
+
+    def _load(self, snapshot_dir: str, version: int) -> None:
         self._check_idle("update_weights")
-        self._snapshot, self._version = str(snapshot_dir), version  # restarts from here load it
+        self._snapshot, self._version = snapshot_dir, version  # restarts from here load it
         for w in self._workers:
             _send(w, LoadWeights(self._snapshot, version))
         deaths = 0
@@ -160,6 +168,10 @@ class WorkerPool:
     # ---- generation -------------------------------------------------------------------
 
     def _generate(self, requests: list[GenerationRequest]) -> Iterator[GenerationResult]:
+        with self._lock:
+            yield from self._generate_locked(requests)
+
+    def _generate_locked(self, requests: list[GenerationRequest]) -> Iterator[GenerationResult]:
         self._check_idle("generate")
         self._active = True
         pending = deque(requests)
