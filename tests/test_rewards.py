@@ -170,3 +170,25 @@ def test_load_reference_implementation_by_dotted_path():
 def test_load_errors(spec, pattern):
     with pytest.raises(ValueError, match=pattern):
         load_reward_fn(spec)
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("7 + 8 = 15", "15", 1.0),
+        ("The answer is 15.", "15", 1.0),
+        ("First 12 then 30, so 42", "42", 1.0),
+        ("It is 1,234 in total", "1234", 1.0),
+        ("-3.0", "-3", 1.0),
+        ("I get 16", "15", 0.0),
+        ("15 is not it, 16 is", "15", 0.0),  # the last number counts
+        ("no digits here", "15", 0.0),
+        ("\\boxed{15} and then 99", "15", 1.0),  # a boxed answer wins over later numbers
+        ("anything 3", "three", 0.0),  # a non-numeric reference never matches
+    ],
+)
+def test_last_number_reward(response, answer, expected):
+    from megatron_rl.rewards import last_number_reward
+
+    assert last_number_reward(_record(answer), response) == expected
+    assert load_reward_fn("last_number") is last_number_reward

@@ -9,6 +9,7 @@ from megatron_rl.rewards.base import RewardFn, extract_boxed
 from megatron_rl.rewards.builtin import (
     BUILTIN_REWARDS,
     exact_match_reward,
+    last_number_reward,
     math_verify_reward,
     normalize_answer,
     reasoning_gym_reward,
@@ -19,6 +20,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "RewardFn",
     "exact_match_reward",
+    "last_number_reward",
     "extract_boxed",
     "load_reward_fn",
     "math_verify_reward",

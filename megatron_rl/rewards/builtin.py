@@ -1,7 +1,11 @@
-"""Builtin reward functions: `math_verify`, `exact_match`, `reasoning_gym` (1.0 right, 0.0 wrong).
+"""Builtin reward functions: `math_verify`, `exact_match`, `reasoning_gym`, `last_number`
+(1.0 right, 0.0 wrong).
 
-All three read the final answer with `extract_boxed` (the last `\\boxed{...}`); a response
+The first three read the final answer with `extract_boxed` (the last `\\boxed{...}`); a response
 without one scores 0.0 (`reasoning_gym` leaves that to the dataset's scorer, which gets None).
+`last_number` is the lenient GSM8K-style check for models that do not follow the answer
+format (small models rarely write `\\boxed{}`): the boxed answer if there is one, else the
+last number in the response, compared numerically with the reference.
 
 math-verify thread safety: its `parse`/`verify` time out with `signal.alarm`, which raises
 ValueError outside the main thread. `math_verify_reward` keeps math-verify's timeouts in the
@@ -56,6 +60,24 @@ def exact_match_reward(record: PromptRecord, response_text: str) -> float:
     return float(predicted is not None and normalize_answer(predicted) == normalize_answer(record.answer))
 
 
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number_reward(record: PromptRecord, response_text: str) -> float:
+    """1.0 if the boxed answer, or else the last number in the response, equals `record.answer`
+    as a number (1,234 = 1234 = 1234.0), else 0.0."""
+    boxed = extract_boxed(response_text)
+    numbers = _NUMBER.findall(boxed if boxed is not None else response_text)
+    if not numbers:
+        return 0.0
+    try:
+        predicted = float(numbers[-1].replace(",", ""))
+        gold = float(normalize_answer(record.answer).replace(",", ""))
+    except ValueError:
+        return 0.0
+    return float(predicted == gold)
+
+
 def reasoning_gym_reward(record: PromptRecord, response_text: str) -> float:
     """The reasoning_gym dataset's own `score_answer(boxed answer or None, entry)`, in [0, 1]."""
     name, entry = record.metadata.get("reasoning_gym"), record.metadata.get("entry")
@@ -101,4 +123,5 @@ BUILTIN_REWARDS: dict[str, Callable[[PromptRecord, str], float]] = {
     "math_verify": math_verify_reward,
     "exact_match": exact_match_reward,
     "reasoning_gym": reasoning_gym_reward,
+    "last_number": last_number_reward,
 }

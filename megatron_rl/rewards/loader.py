@@ -16,7 +16,7 @@ from megatron_rl.rewards.builtin import BUILTIN_REWARDS
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """The reward function named by `spec` ("math_verify", "exact_match", "reasoning_gym", or
+    """The reward function named by `spec` ("math_verify", "exact_match", "reasoning_gym", "last_number", or
     "package.module:function"); ValueError naming the spec if it cannot be used."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
