@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    # megatron-core warns at import that Apex / Transformer Engine are absent (expected off CUDA).
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
 
     from megatron_rl.config import ConfigError, config_to_dict, load_config
 

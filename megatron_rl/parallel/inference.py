@@ -29,38 +29,37 @@ def _broadcast_from_last_stage(value: torch.Tensor | None, shape: tuple[int, ...
     return buf
 
 
+def _reduce_on_last_stage(model, input_ids: torch.Tensor, reduce, shape: tuple[int, ...]) -> torch.Tensor:
+    """Forward ``input_ids``, apply ``reduce(vocab-parallel logits, ids)`` on the last stage, and
+    return the result on every rank."""
+    out = run_schedule(
+        model,
+        [input_ids],
+        forward_step=_forward_step,
+        loss=lambda logits, ids: (logits.sum() * 0, reduce(logits, ids)),
+        seq_length=lambda ids: ids.shape[1],
+        forward_only=True,
+    )
+    return _broadcast_from_last_stage(out[0] if out else None, shape)
+
+
 @torch.no_grad()
 def forward_logits(model, input_ids: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
     """Full-vocabulary fp32 logits ``[b, s, vocab_size]`` (gathered over TP; for tests and tools)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    out = run_schedule(
-        model,
-        [input_ids],
-        forward_step=_forward_step,
-        loss=lambda logits, _: (
-            logits.sum() * 0,
-            gather_from_tensor_model_parallel_region(logits)[..., :vocab_size].float(),
-        ),
-        seq_length=lambda ids: ids.shape[1],
-        forward_only=True,
-    )
-    return _broadcast_from_last_stage(out[0] if out else None, (*input_ids.shape, vocab_size))
+    def full_logits(logits, _ids):
+        return gather_from_tensor_model_parallel_region(logits)[..., :vocab_size].float()
+
+    return _reduce_on_last_stage(model, input_ids, full_logits, (*input_ids.shape, vocab_size))
 
 
 @torch.no_grad()
 def forward_logprobs(model, input_ids: torch.Tensor, *, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """log p(token_t | tokens_<t) for t >= 1, ``[b, s - 1]`` fp32, from vocab-parallel logits."""
-    out = run_schedule(
-        model,
-        [input_ids],
-        forward_step=_forward_step,
-        loss=lambda logits, ids: (
-            logits.sum() * 0,
-            vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=vocab_size, temperature=temperature),
-        ),
-        seq_length=lambda ids: ids.shape[1],
-        forward_only=True,
-    )
+
+    def token_logprobs(logits, ids):
+        return vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=vocab_size, temperature=temperature)
+
     b, s = input_ids.shape
-    return _broadcast_from_last_stage(out[0] if out else None, (b, s - 1))
+    return _reduce_on_last_stage(model, input_ids, token_logprobs, (b, s - 1))
