@@ -5,7 +5,8 @@
 A small random Llama (char tokenizer, ``megatron_rl.models.synthetic``) trained with GRPO on
 reasoning_gym arithmetic prompts; the hf engine runs in its own process pinned to core 1,
 the trainer is pinned to core 0 (as they would own separate devices). Both modes run the same
-steps from the same weights (``--steps``, the first ``--warmup`` not timed). Per step, from
+steps from the same weights (``--steps``, the first ``--warmup`` not timed), alternating
+sync and periodic runs ``--rounds`` times so machine noise hits both alike. Per step, from
 the sync run: ``gen_s`` is the consumer's wait for the whole batch (generation + scoring),
 ``train_s`` the trainer's forward/backward and optimizer time, ``weight_sync_s`` the snapshot
 + engine reload (neither mode can overlap it: DESIGN §1, periodic = T_gen + T_train(last
@@ -26,7 +27,8 @@ from pathlib import Path
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2, help="sync/periodic pairs, interleaved (noise)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     p.add_argument("--group-size", type=int, default=4)
@@ -77,9 +79,10 @@ def main(argv=None) -> None:
             heads=args.hidden // 64,
             kv_heads=args.hidden // 64,
         )
-        for mode in ("sync", "periodic"):
-            history = train(config_from_dict(run_config(args, model, mode)), platform="cpu")
-            times[mode] = history[args.warmup :]
+        for _ in range(args.rounds):
+            for mode in ("sync", "periodic"):
+                history = train(config_from_dict(run_config(args, model, mode)), platform="cpu")
+                times.setdefault(mode, []).extend(history[args.warmup :])
     sync_s = statistics.mean(h["time/step_s"] for h in times["sync"])
     periodic_s = statistics.mean(h["time/step_s"] for h in times["periodic"])
     gen_s = statistics.mean(h["time/queue_wait_s"] for h in times["sync"])
@@ -94,7 +97,7 @@ def main(argv=None) -> None:
                 "train_s": round(train_s, 3),
                 "weight_sync_s": round(sync_cost, 3),
                 "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
-                "steps_timed": len(times["sync"]),
+                "steps_timed": len(times["sync"]), "rounds": args.rounds,
                 "prompts": args.prompts,
                 "group_size": args.group_size,
                 "max_new_tokens": args.max_new_tokens,

@@ -26,6 +26,7 @@ runs while the producer may be iterating ``engine.generate``: the engine must ac
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -67,6 +68,11 @@ class PipelineSettings:
     flush_when_idle: bool = True  # periodic/stale: train a partial micro-batch rather than wait
     poll_s: float = 0.05  # how often blocked threads re-check stop / failure
     join_timeout_s: float = 10.0  # how long close() waits for the producer thread
+    # The producer thread shares the interpreter with the training thread, whose Python-level
+    # work holds the GIL; with CPython's default 5 ms switch interval every hand-off can keep
+    # the engines waiting for their next chunk (measured: +25% generation time while training
+    # overlaps). While the pipeline runs, the interval is lowered to this (None: left alone).
+    gil_switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
         check_mode(self.mode, self.max_staleness)
@@ -177,6 +183,9 @@ class Pipeline:
             raise PipelineError("the pipeline is closed")
         if not self._started:
             self._started = True
+            self._saved_switch_interval = sys.getswitchinterval()
+            if self.settings.gil_switch_interval_s is not None:
+                sys.setswitchinterval(min(self._saved_switch_interval, self.settings.gil_switch_interval_s))
             self._producer.start()
         return self
 
@@ -212,6 +221,8 @@ class Pipeline:
             self._producer.stop()
             self._engine.shutdown()  # also releases a producer stuck inside engine.generate
             self._producer.join(self.settings.join_timeout_s)
+            if self._started:
+                sys.setswitchinterval(self._saved_switch_interval)
         return not self._producer.is_alive()
 
     def _train_step(self, trainer: TrainerStep) -> StepReport:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -175,6 +176,7 @@ class Producer:
         batch = self._new_batch(self._start_step + i, items, group_size)
         requests = [self._request(batch.step, it.record.prompt_id, it.token_ids, k)
                     for it in items for k in range(group_size)]
+        start = time.perf_counter()
         for result in self._engine.generate(requests):
             if self._stop.is_set():
                 raise _Stopped
@@ -184,7 +186,8 @@ class Producer:
             raise RuntimeError(f"engine returned no result for {len(batch.where)} requests, e.g. {missing!r}")
         lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
         self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
-                           groups_produced=len(items), groups_dropped=batch.dropped, source_state=source_state))
+                           groups_produced=len(items), groups_dropped=batch.dropped, source_state=source_state,
+                           generation_s=time.perf_counter() - start))
 
     def _new_batch(self, step: int, items: Sequence[PromptItem], group_size: int) -> _PendingBatch:
         where: dict[str, tuple[int, int]] = {}

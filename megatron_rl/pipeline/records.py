@@ -95,6 +95,7 @@ class BatchEnd:
     groups_produced: int
     groups_dropped: int  # by dynamic sampling
     source_state: Mapping[str, Any] | None  # prompt source's state_dict() after drawing this batch
+    generation_s: float = 0.0  # from the first request to the last result (generation + scoring)
 
 
 QueueItem = ScoredGroup | BatchEnd

@@ -67,10 +67,27 @@ class _Worker:
     spec: WorkerSpec
     process: mp.process.BaseProcess | None = None
     conn: object = None
-    busy: bool = False
+    outstanding: int = 0  # commands sent and not yet answered (Done / Loaded / Failed)
+    chunks: deque = field(default_factory=deque)  # request ids of each outstanding Generate, in order
     in_flight: dict[str, GenerationRequest] = field(default_factory=dict)
     restarts: int = 0
     reissued: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.outstanding > 0
+
+    def reset(self) -> None:
+        """Forget every outstanding command (the process died or was drained)."""
+        self.outstanding = 0
+        self.chunks.clear()
+        self.in_flight.clear()
+
+
+# Generate commands queued per worker: while it decodes one chunk the next is already in its
+# pipe, so it never idles waiting for the parent (whose producer thread shares a core and the
+# GIL with training) to hand out more work.
+_PREFETCH = 2
 
 
 class WorkerPool:
@@ -91,7 +108,7 @@ class WorkerPool:
         # waits for the generate call in progress, so every batch runs on one version.
         self._lock = threading.RLock()
         self._version = 0
-        self._active = False
+        self._active: int | None = None  # thread id of the generate() iteration in progress
         self._broken: str | None = None  # set when workers may run different weights
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         try:
@@ -128,6 +145,7 @@ class WorkerPool:
         for r in requests:
             if not r.prompt_ids:
                 raise ValueError(f"requests: request {r.request_id!r} has an empty prompt")
+        self._check_idle("generate")
         return self._generate(list(requests))
 
     def update_weights(self, snapshot_dir: str, version: int) -> None:
@@ -149,13 +167,13 @@ class WorkerPool:
             for w, message in self._next_events(busy):
                 if message is None:
                     deaths = self._count_death(w, deaths, "update_weights")
-                    w.busy = False
+                    w.reset()
                     self._restart(w)  # the new process loads the new snapshot itself
                 elif isinstance(message, Loaded):
                     assert message.version == version, (message.version, version)
-                    w.busy = False
+                    w.outstanding -= 1
                 elif isinstance(message, Failed):
-                    w.busy = False
+                    w.outstanding -= 1
                     self._drain()
                     self._broken = f"worker {w.spec.index} failed to load weight version {version}"
                     raise RolloutWorkerError(f"rollout worker {w.spec.index} failed to load {snapshot_dir}:\n"
@@ -173,7 +191,7 @@ class WorkerPool:
 
     def _generate_locked(self, requests: list[GenerationRequest]) -> Iterator[GenerationResult]:
         self._check_idle("generate")
-        self._active = True
+        self._active = threading.get_ident()
         pending = deque(requests)
         answered: set[str] = set()
         chunk = max(1, min(self._max_batch_size, math.ceil(len(requests) / len(self._workers))))
@@ -185,7 +203,6 @@ class WorkerPool:
                     if message is None:
                         deaths = self._count_death(w, deaths, "generate")
                         pending.extendleft(reversed(self._take_back(w)))
-                        w.busy = False
                         self._restart(w)
                     elif isinstance(message, Result):
                         result = message.result
@@ -196,31 +213,37 @@ class WorkerPool:
                     elif isinstance(message, Done):
                         self._finish_chunk(w)
                     elif isinstance(message, Failed):
-                        w.busy = False
-                        w.in_flight.clear()
+                        w.outstanding -= 1
+                        failed = w.chunks.popleft() if w.chunks else ()
+                        for rid in failed:
+                            w.in_flight.pop(rid, None)
                         raise RolloutWorkerError(
                             f"rollout worker {w.spec.index} (pid {w.process.pid}) failed on requests "
                             f"{list(message.request_ids)}:\n{message.error}"
                         )
         finally:
             self._drain()
-            self._active = False
+            self._active = None
 
     def _dispatch(self, pending: deque, chunk: int) -> None:
         for w in self._workers:
-            if pending and not w.busy:
+            while pending and w.outstanding < _PREFETCH:
                 batch = tuple(pending.popleft() for _ in range(min(chunk, len(pending))))
-                w.in_flight = {r.request_id: r for r in batch}
+                w.in_flight.update((r.request_id, r) for r in batch)
+                w.chunks.append(tuple(r.request_id for r in batch))
                 _send(w, Generate(batch))
 
     def _finish_chunk(self, w: _Worker) -> None:
-        w.busy = False
-        if w.in_flight:
-            missing, w.in_flight = list(w.in_flight), {}
+        w.outstanding -= 1
+        missing = [rid for rid in w.chunks.popleft() if rid in w.in_flight]
+        if missing:
+            for rid in missing:
+                del w.in_flight[rid]
             raise RolloutWorkerError(f"rollout worker {w.spec.index} finished a chunk without answering {missing}")
 
     def _take_back(self, w: _Worker) -> list[GenerationRequest]:
-        lost, w.in_flight = list(w.in_flight.values()), {}
+        lost = list(w.in_flight.values())
+        w.reset()
         w.reissued += len(lost)
         return lost
 
@@ -229,12 +252,13 @@ class WorkerPool:
         while busy := [w for w in self._workers if w.busy]:
             for w, message in self._next_events(busy):
                 if message is None:
-                    w.in_flight.clear()
-                    w.busy = False
+                    w.reset()
                     self._restart(w)
                 elif isinstance(message, (Done, Failed, Loaded)):
-                    w.busy = False
-                    w.in_flight.clear()
+                    w.outstanding -= 1
+                    if w.chunks and not isinstance(message, Loaded):
+                        for rid in w.chunks.popleft():
+                            w.in_flight.pop(rid, None)
 
     # ---- process supervision ----------------------------------------------------------
 
@@ -293,14 +317,16 @@ class WorkerPool:
             raise RuntimeError(f"{what}: the rollout engine has been shut down")
         if self._broken:
             raise RuntimeError(f"{what}: the rollout engine is unusable ({self._broken}); shut it down")
-        if self._active:
+        # Another thread's generate() is waited for (the lock); this thread's own open iterator
+        # would deadlock, so it is an error.
+        if self._active == threading.get_ident():
             raise RuntimeError(f"{what}: a generate() iterator of this engine is still open; exhaust or close it")
 
 
 def _send(w: _Worker, command: object) -> None:
-    """Give ``w`` its one outstanding command. A worker that died meanwhile is found by its
-    sentinel in the next wait, which takes the command's requests back."""
-    w.busy = True
+    """Queue ``command`` on ``w``. A worker that died meanwhile is found by its sentinel in the
+    next wait, which takes the outstanding requests back."""
+    w.outstanding += 1
     try:
         w.conn.send(command)
     except OSError:

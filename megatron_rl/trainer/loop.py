@@ -105,7 +105,7 @@ def _step_metrics(report: StepReport, step: RLStep, controller: GroupSizeControl
         "rollout/groups_dropped": float(s.end.groups_dropped),
         "rollout/response_tokens": float(s.trained_response_tokens),
         "rollout/mean_response_len": sum(s.end.response_lengths) / max(len(s.end.response_lengths), 1),
-        "rollout/staleness_max": float(s.staleness.max), "time/step_s": step_s, "time/queue_wait_s": s.wait_s,
+        "rollout/staleness_max": float(s.staleness.max), "time/step_s": step_s, "time/queue_wait_s": s.wait_s, "time/generation_s": s.end.generation_s,
         "time/train_s": seconds["train"], "time/weight_sync_s": seconds["weight_sync"],
         "loss/value": sum(r.loss for r in results) / max(len(results), 1),
         "loss/grad_norm": sum(r.grad_norm for r in results) / max(len(results), 1),
