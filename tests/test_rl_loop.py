@@ -51,7 +51,7 @@ def setup(tmp_path_factory):
 def _run(tmp, config, name, world, overrides):
     out = tmp / name
     histories = run_distributed(_train_worker, world, config, [*overrides, f"trainer.save_dir={out}"], timeout_s=600)
-    return _final_weights(out / "final"), histories[0]
+    return _final_weights(out / "step_3" / "model"), histories[0]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -91,3 +91,22 @@ def test_stale_mode_runs_ahead_within_the_bound(setup):
     staleness = [h["rollout/staleness_max"] for h in history]
     assert max(staleness) <= 1
     assert all(torch.isfinite(torch.tensor(h["loss/value"])) for h in history)
+
+
+def test_resume_from_a_checkpoint_continues_exactly(setup):
+    """3 steps straight == 1 step, checkpoint (weights, Adam state, controller, prompt stream),
+    a new process resuming for the remaining 2 steps."""
+    tmp, config = setup
+    straight, resumed = tmp / "straight", tmp / "resumed"
+    run_distributed(_stale_worker, 1, config, ["pipeline.mode=sync", "trainer.save_every=1",
+                                               f"trainer.save_dir={straight}"], timeout_s=600)
+    assert (straight / "step_1" / "trainer_state.json").is_file()
+    assert not list(straight.glob("*.tmp")), "a staging directory was left behind"
+    (history,) = run_distributed(_stale_worker, 1, config, ["pipeline.mode=sync", f"trainer.save_dir={resumed}",
+                                                            f"trainer.resume_from={straight / 'step_1'}"],
+                                 timeout_s=600)
+    assert len(history) == 2
+    expected, got = _final_weights(straight / "step_3" / "model"), _final_weights(resumed / "step_3" / "model")
+    for key, value in expected.items():
+        rel = (got[key] - value).abs().max() / value.abs().max()
+        assert rel <= 1e-6, f"{key}: resumed run differs by {rel:.2e} (relative)"

@@ -34,7 +34,9 @@ def loss_settings(cfg: Config) -> LossSettings:
     )
 
 
-def trainer_settings(cfg: Config) -> TrainerSettings:
+def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerSettings:
+    """``policy_path``: where the policy starts (a resumed checkpoint's model); the reference
+    model is always ``model.hf_path``."""
     t = cfg.trainer
     optim = OptimSettings(
         lr=t.lr,
@@ -46,7 +48,8 @@ def trainer_settings(cfg: Config) -> TrainerSettings:
         distributed_optimizer=cfg.parallel.distributed_optimizer,
     )
     return TrainerSettings(
-        hf_path=cfg.model.hf_path,
+        hf_path=policy_path or cfg.model.hf_path,
+        ref_path=cfg.model.hf_path,
         params_dtype=_DTYPES[cfg.model.dtype],
         attention_backend=cfg.attention.backend,
         loss=loss_settings(cfg),
@@ -58,11 +61,12 @@ def trainer_settings(cfg: Config) -> TrainerSettings:
     )
 
 
-def engine_settings(cfg: Config) -> EngineSettings:
+def engine_settings(cfg: Config, *, model_path: str | None = None) -> EngineSettings:
+    """``model_path``: the weights the engines start from (a resumed checkpoint's model)."""
     r = cfg.rollout
     return EngineSettings(
         backend=r.engine,
-        model_path=cfg.model.hf_path,
+        model_path=model_path or cfg.model.hf_path,
         num_workers=r.num_engines,
         devices=tuple(r.devices),
         tensor_parallel_size=r.tensor_parallel_size,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rl.config import Config, validate_world
+from megatron_rl.config import Config, config_to_dict, validate_world
 from megatron_rl.control import GroupSizeController, load_controller
 from megatron_rl.data import PromptStream, load_records, tokenize_records
 from megatron_rl.parallel.state import initialize_parallel
@@ -24,6 +24,7 @@ from megatron_rl.rewards import load_reward_fn
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
+from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state
 from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.rl_step import ReplicaChannel, RLStep, follow
 
@@ -41,33 +42,40 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
     if layout.dp != 1:
         raise ValueError(f"data-parallel RL runs (dp={layout.dp}) are not supported yet: set the world size to "
                          f"parallel.tp x parallel.pp = {cfg.parallel.tp * cfg.parallel.pp}")
-    trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg))
+    resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
+    policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
+    trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
+    if resume:
+        load_optimizer(trainer.optimizer, cfg.trainer.resume_from)
     channel = ReplicaChannel()
     snapshots = _shared_snapshot_root(channel)
     mini = cfg.trainer.mini_batches
     groups_per_step = cfg.trainer.prompts_per_batch // mini if mini > 1 else None
-    engine = (engine_factory or build_engine)(from_config.engine_settings(cfg)) if channel.is_leader else None
+    settings = from_config.engine_settings(cfg, model_path=policy_path)
+    engine = (engine_factory or build_engine)(settings) if channel.is_leader else None
     step = RLStep(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
                   groups_per_mini_batch=groups_per_step, channel=channel)
     if not channel.is_leader:
         follow(step)
         return []
-    pipeline, controller = _make_pipeline(cfg, engine)
+    first = resume.step if resume else 0
+    pipeline, controller = _make_pipeline(cfg, engine, resume)
     logger, history = MetricsLogger(cfg.trainer.log_dir), []
     try:
         with pipeline:
-            for t in range(cfg.trainer.steps):
+            for t in range(first, cfg.trainer.steps):
                 start = time.perf_counter()
                 report = pipeline.train_step(step)
                 metrics = _step_metrics(report, step, controller, time.perf_counter() - start)
                 logger.log(t, metrics)
                 history.append(metrics)
-                if cfg.trainer.save_dir and cfg.trainer.save_every and (t + 1) % cfg.trainer.save_every == 0:
-                    step.save_weights(Path(cfg.trainer.save_dir) / f"step_{t + 1}")
+                every, last = cfg.trainer.save_every, t + 1 == cfg.trainer.steps
+                if cfg.trainer.save_dir and (last or (every and (t + 1) % every == 0)):
+                    state = RunState(step=t + 1, controller=controller.state_dict(), config=config_to_dict(cfg),
+                                     prompt_stream=dict(report.summary.end.source_state or {}))
+                    step.save_checkpoint(Path(cfg.trainer.save_dir) / f"step_{t + 1}", state)
                 print(f"step {t}: reward {metrics['rollout/reward_mean']:.3f} loss {metrics['loss/value']:.4f} "
                       f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s", flush=True)
-        if cfg.trainer.save_dir:
-            step.save_weights(Path(cfg.trainer.save_dir) / "final")
     finally:
         step.stop_followers()
         logger.close()
@@ -75,8 +83,9 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
     return history
 
 
-def _make_pipeline(cfg: Config, engine) -> tuple[Pipeline, GroupSizeController]:
-    """Prompts, reward, controller and sampling wired into the producer/consumer pipeline."""
+def _make_pipeline(cfg: Config, engine, resume: RunState | None) -> tuple[Pipeline, GroupSizeController]:
+    """Prompts, reward, controller and sampling wired into the producer/consumer pipeline
+    (continuing a checkpoint's prompt stream, controller state and step count when resuming)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
@@ -87,12 +96,16 @@ def _make_pipeline(cfg: Config, engine) -> tuple[Pipeline, GroupSizeController]:
                                  settings=from_config.sagc_settings(cfg) if cfg.control.kind == "sagc" else None,
                                  options=cfg.control.options or None)
     stream = PromptStream(prompts.prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
+    if resume:
+        controller.load_state_dict(resume.controller)
+        if resume.prompt_stream:
+            stream.load_state_dict(resume.prompt_stream)
     pipeline = Pipeline(
         engine=engine, prompts=stream, reward_fn=load_reward_fn(cfg.reward.fn),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         controller=controller, sampling=from_config.sampling_settings(cfg, tokenizer),
         scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
-        num_steps=cfg.trainer.steps,
+        num_steps=cfg.trainer.steps - (resume.step if resume else 0), start_step=resume.step if resume else 0,
     )
     return pipeline, controller
 

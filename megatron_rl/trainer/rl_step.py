@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_rl.models import DecoderSpec, save_hf_checkpoint
 from megatron_rl.pipeline import BatchSummary, MicroBatch
 from megatron_rl.rollout.types import RolloutEngine
+from megatron_rl.trainer.checkpoint import RunState, finalize, save_optimizer, staging_dir
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
 
 
@@ -71,10 +72,12 @@ class RLStep:
         self.channel.send(("finish", summary.policy_version))
         return self._finish(summary.policy_version)
 
-    def save_weights(self, path: str | Path) -> None:
-        """Write the policy as a HF checkpoint at ``path`` (collective over the replica)."""
-        self.channel.send(("save", str(path)))
+    def save_checkpoint(self, path: str | Path, state: RunState) -> Path:
+        """Write a resumable checkpoint at ``path`` (collective over the replica); see ``checkpoint``."""
+        shutil.rmtree(staging_dir(path), ignore_errors=True)
+        self.channel.send(("checkpoint", str(path)))
         self._save(str(path))
+        return finalize(staging_dir(path), state)
 
     def stop_followers(self) -> None:
         self.channel.send(("stop", None))
@@ -107,7 +110,11 @@ class RLStep:
         return new_version
 
     def _save(self, path: str) -> None:
-        save_hf_checkpoint(self.policy, self.spec, path, source_dir=self.source_dir)
+        staging = staging_dir(path)
+        save_hf_checkpoint(self.policy, self.spec, staging / "model", source_dir=self.source_dir)
+        save_optimizer(self.trainer.optimizer, staging)
+        if self.channel.size > 1:
+            dist.barrier(group=self.channel.group)  # every rank's optimizer file is written
 
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
         """The optimizer steps and the seconds spent training / syncing since the last call."""
@@ -124,7 +131,7 @@ def follow(step: RLStep) -> None:
             step._train(payload)
         elif kind == "finish":
             step._finish(payload)
-        elif kind == "save":
+        elif kind == "checkpoint":
             step._save(payload)
         elif kind == "stop":
             return
