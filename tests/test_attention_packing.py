@@ -48,7 +48,7 @@ def test_budget_is_greedy_and_order_preserving() -> None:
     mbs = pack_groups(groups, token_budget=8)
     assert [mb.num_tokens for mb in mbs] == [8, 7, 2]  # 5 + 3 fit exactly; 7 alone; 2
     assert [mb.layout.groups[0].prompt_len for mb in mbs] == [3, 4, 1]
-    with pytest.raises(ValueError, match="token_budget=6"):
+    with pytest.raises(ValueError, match="token budget 6"):
         pack_groups(groups, token_budget=6)
     with pytest.raises(ValueError, match="prompt_ids"):
         pack_groups([_group([], [1])], token_budget=6)

@@ -21,7 +21,7 @@ Conventions (the contract with the model and the loss):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,26 +130,32 @@ def concat_groups(packed: Sequence[PackedGroup]) -> PackedMicroBatch:
     )
 
 
+def greedy_chunks(sizes: Sequence[int], token_budget: int, *, name: Callable[[int], str]) -> list[list[int]]:
+    """Indices of ``sizes`` split greedily, in order, into chunks of at most ``token_budget``
+    tokens. ``ValueError`` (naming the item with ``name(i)``) for an item over the budget."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    chunks: list[list[int]] = []
+    used = token_budget + 1  # forces a new chunk for the first item
+    for i, n in enumerate(sizes):
+        if n > token_budget:
+            raise ValueError(
+                f"{name(i)} packs to {n} tokens, more than the micro-batch token budget {token_budget}; raise "
+                "it to at least max_prompt_len + group_size * max_response_len"
+            )
+        if used + n > token_budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += n
+    return chunks
+
+
 def pack_groups(groups: Sequence[TokenGroup], token_budget: int) -> list[PackedMicroBatch]:
     """Greedy, order-preserving packing: a micro-batch takes groups while their packed token
     count stays <= ``token_budget``. Raises ``ValueError`` for a group longer than the budget."""
-    if token_budget < 1:
-        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-    batches: list[list[PackedGroup]] = []
-    used = token_budget + 1  # forces a new micro-batch for the first group
-    for idx, group in enumerate(groups):
-        n = group.num_packed_tokens
-        if n > token_budget:
-            raise ValueError(
-                f"group {idx} packs to {n} tokens, more than token_budget={token_budget}; raise the "
-                "budget to at least max_prompt_len + group_size * max_response_len"
-            )
-        if used + n > token_budget:
-            batches.append([])
-            used = 0
-        batches[-1].append(pack_group(group))
-        used += n
-    return [concat_groups(b) for b in batches]
+    chunks = greedy_chunks([g.num_packed_tokens for g in groups], token_budget, name=lambda i: f"group {i}")
+    return [concat_groups([pack_group(groups[i]) for i in chunk]) for chunk in chunks]
 
 
 def k_copies(groups: Sequence[TokenGroup]) -> list[TokenGroup]:

@@ -4,7 +4,7 @@ One table row per parameter kind says how the HF tensor(s) map onto one megatron
 and how it is split across tensor-parallel ranks:
 
 - ``replicated``: norms; every TP rank holds the whole tensor.
-- ``rows`` / ``cols``: column-parallel (split dim 0) / row-parallel (split dim 1) linears.
+- ``cols``: row-parallel linears (``linear_proj``, ``linear_fc2``), split on dim 1.
 - ``vocab``: embedding / output layer rows, padded with zeros to megatron's padded vocabulary.
 - ``qkv``: q, k, v fused per query group: for each KV group g the rows are
   ``[q heads of g; k_g; v_g]`` (megatron's ``linear_qkv`` layout); TP splits whole groups.
@@ -24,7 +24,7 @@ import torch
 
 from megatron_rl.models.hf_config import DecoderSpec
 
-Kind = Literal["replicated", "rows", "cols", "vocab", "qkv", "fc1"]
+Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1"]
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,6 @@ def hf_to_shard(rule: ParamRule, tensors: Sequence[torch.Tensor], spec: DecoderS
     r, tp = shard.tp_rank, shard.tp_size
     if rule.kind == "replicated":
         return tensors[0]
-    if rule.kind == "rows":
-        return tensors[0].chunk(tp, dim=0)[r]
     if rule.kind == "cols":
         return tensors[0].chunk(tp, dim=1)[r]
     if rule.kind == "vocab":
@@ -155,8 +153,6 @@ def shards_to_hf(rule: ParamRule, shards: Sequence[torch.Tensor], spec: DecoderS
     """Reassemble the full HF tensors of one parameter from all TP ranks' shards (in rank order)."""
     if rule.kind == "replicated":
         return (shards[0],)
-    if rule.kind == "rows":
-        return (torch.cat(shards, dim=0),)
     if rule.kind == "cols":
         return (torch.cat(shards, dim=1),)
     if rule.kind == "vocab":

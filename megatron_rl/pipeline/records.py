@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, concat_groups, pack_group
+from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, concat_groups, greedy_chunks, pack_group
 
 
 class PipelineError(RuntimeError):
@@ -168,16 +168,9 @@ def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int) -> M
 
 def chunk_by_tokens(groups: Sequence[ScoredGroup], token_budget: int) -> list[list[ScoredGroup]]:
     """Greedy, order-preserving split into chunks of at most ``token_budget`` packed tokens."""
-    chunks: list[list[ScoredGroup]] = []
-    used = token_budget + 1
-    for g in groups:
-        n = check_fits(g, token_budget)
-        if used + n > token_budget:
-            chunks.append([])
-            used = 0
-        chunks[-1].append(g)
-        used += n
-    return chunks
+    chunks = greedy_chunks([g.num_packed_tokens for g in groups], token_budget,
+                           name=lambda i: f"group {groups[i].prompt_id!r} (step {groups[i].step})")
+    return [[groups[i] for i in chunk] for chunk in chunks]
 
 
 def check_fits(group: ScoredGroup, token_budget: int) -> int:
