@@ -61,6 +61,9 @@ class ShuffledEngine:
     def update_weights(self, snapshot_dir: str, version: int) -> None:
         self.inner.update_weights(snapshot_dir, version)
 
+    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
+        self.inner.update_weights_from_tensors(named_tensors, version)
+
     @property
     def weight_version(self) -> int:
         return self.inner.weight_version

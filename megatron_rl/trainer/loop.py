@@ -42,6 +42,9 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
     if layout.dp != 1:
         raise ValueError(f"data-parallel RL runs (dp={layout.dp}) are not supported yet: set the world size to "
                          f"parallel.tp x parallel.pp = {cfg.parallel.tp * cfg.parallel.pp}")
+    if cfg.rollout.weight_sync == "broadcast" and cfg.parallel.pp > 1:
+        raise ValueError("rollout.weight_sync='broadcast' needs parallel.pp = 1 for now (the leader must hold "
+                         "every tensor); use 'snapshot', which every PP stage writes")
     resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
     policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
     trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
@@ -54,7 +57,7 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
     settings = from_config.engine_settings(cfg, model_path=policy_path)
     engine = (engine_factory or build_engine)(settings) if channel.is_leader else None
     step = RLStep(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
-                  groups_per_mini_batch=groups_per_step, channel=channel)
+                  groups_per_mini_batch=groups_per_step, channel=channel, weight_sync=cfg.rollout.weight_sync)
     if not channel.is_leader:
         follow(step)
         return []

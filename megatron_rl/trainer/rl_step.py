@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rl.models import DecoderSpec, save_hf_checkpoint
+from megatron_rl.models import DecoderSpec, export_hf_tensors, save_hf_checkpoint
 from megatron_rl.pipeline import BatchSummary, MicroBatch
 from megatron_rl.rollout.types import RolloutEngine
 from megatron_rl.trainer.checkpoint import RunState, finalize, save_optimizer, staging_dir
@@ -53,11 +53,12 @@ class RLStep:
 
     def __init__(self, trainer: PolicyTrainer, policy, spec: DecoderSpec, *, engine: RolloutEngine | None,
                  snapshot_root: str | Path, source_dir: str | Path, groups_per_mini_batch: int | None,
-                 channel: ReplicaChannel) -> None:
+                 channel: ReplicaChannel, weight_sync: str = "snapshot") -> None:
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
         self.groups_per_mini_batch = groups_per_mini_batch
         self.channel = channel
+        self.weight_sync = weight_sync
         self.results: list[MiniBatchResult] = []
         self.seconds = {"train": 0.0, "weight_sync": 0.0}  # since the last pop_results()
         self._groups_since_step = 0
@@ -100,14 +101,24 @@ class RLStep:
         synced = time.perf_counter()
         self.seconds["train"] += synced - start
         new_version = version + 1
-        snapshot = self.snapshot_root / f"v{new_version}"
-        save_hf_checkpoint(self.policy, self.spec, snapshot, source_dir=self.source_dir)
-        if self.engine is not None:
-            self.engine.update_weights(str(snapshot), new_version)
-            shutil.rmtree(self.snapshot_root / f"v{new_version - 2}", ignore_errors=True)  # keep two
+        self._sync_weights(new_version)
         self.trainer.begin_batch()
         self.seconds["weight_sync"] += time.perf_counter() - synced
         return new_version
+
+    def _sync_weights(self, version: int) -> None:
+        """Hand the new policy weights to the engines: a broadcast from the leader (TP shards
+        gathered tensor by tensor), or a HF snapshot every PP stage writes and the engines reload."""
+        if self.weight_sync == "broadcast":
+            tensors = list(export_hf_tensors(self.policy, self.spec))  # collective over TP
+            if self.engine is not None:
+                self.engine.update_weights_from_tensors(tensors, version)
+            return
+        snapshot = self.snapshot_root / f"v{version}"
+        save_hf_checkpoint(self.policy, self.spec, snapshot, source_dir=self.source_dir)
+        if self.engine is not None:
+            self.engine.update_weights(str(snapshot), version)
+            shutil.rmtree(self.snapshot_root / f"v{version - 2}", ignore_errors=True)  # keep two
 
     def _save(self, path: str) -> None:
         staging = staging_dir(path)
