@@ -109,3 +109,28 @@ def test_killed_worker_mid_batch(engine, synced):
     assert after.restarts == victim.restarts + 1 and after.reissued > victim.reissued
     for r in results:  # the restarted engine loaded the version-1 snapshot: same samples as before
         assert r.weight_version == 1 and r.response_ids == expected[r.request_id].response_ids
+
+
+def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
+    """The same trainer update pushed by broadcast (gloo group) into a fresh vLLM engine."""
+    from safetensors.torch import load_file
+
+    snap = tmp_path / "step1"
+    (reference,) = run_distributed(trainer_update, 1, str(hf_dir), str(snap), PROMPTS, 6)
+    tensors = {}
+    for file in sorted(snap.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    eng = build_engine(EngineSettings(
+        backend="vllm", model_path=str(hf_dir), num_workers=1, devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
+        max_batch_size=4, worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        vllm_kwargs={"max_model_len": 128}, weight_sync="broadcast",
+    ))
+    try:
+        eng.update_weights_from_tensors(sorted(tensors.items()), version=1)
+        got = _run(eng, [request(f"b{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
+    finally:
+        eng.shutdown()
+    for i, (tokens, logprobs) in enumerate(reference):
+        assert got[f"b{i}"].response_ids == tokens and got[f"b{i}"].weight_version == 1
+        diff = (torch.tensor(got[f"b{i}"].logprobs) - torch.tensor(logprobs)).abs().max().item()
+        assert diff <= LOGPROB_ATOL
