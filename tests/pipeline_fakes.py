@@ -3,7 +3,8 @@
 FakeEngine: a result's tokens are a function of (request seed, weight version) only
 (``sample_tokens``); results come back in a shuffled completion order (seeded per call); optional
 per-result delay and failure injection. FakeTrainer records what it is given and syncs the
-engine in ``finish_batch`` the way the real trainer must.
+engine in ``sync_weights`` the way the real trainer must; ``train_one_step`` is the training
+loop's body (``trainer.loop.train``) over them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_rl.control import FixedController
-from megatron_rl.pipeline import GroupScoring, MicroBatch, Pipeline, PipelineSettings
+from megatron_rl.pipeline import BatchSummary, GroupScoring, MicroBatch, Pipeline, PipelineSettings
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 
 MAX_NEW_TOKENS = 6
@@ -122,34 +123,51 @@ def parity_reward(record: FakeRecord, text: str) -> float:
 
 
 class FakeTrainer:
-    """Records micro-batches and summaries; ``finish_batch`` syncs the engine to version + 1."""
+    """Records micro-batches and optimizer steps; ``sync_weights`` syncs the engine to ``version``."""
 
     def __init__(self, engine: FakeEngine, *, sleep_s: float = 0.0, fail_micro_at: int | None = None,
                  fail_finish_at: int | None = None) -> None:
         self.engine, self.sleep_s = engine, sleep_s
         self.fail_micro_at, self.fail_finish_at = fail_micro_at, fail_finish_at
         self.micro_batches: list[MicroBatch] = []
-        self.summaries = []
+        self.steps: list[int] = []  # micro-batches trained before each optimizer step (cumulative)
+        self.syncs: list[int] = []
 
-    def train_micro_batch(self, mb: MicroBatch) -> dict[str, float]:
+    def train_micro_batch(self, mb: MicroBatch) -> None:
         time.sleep(self.sleep_s)
         if self.fail_micro_at is not None and len(self.micro_batches) == self.fail_micro_at:
             raise ValueError("trainer exploded")
         self.micro_batches.append(mb)
-        return {"tokens": float(mb.packed.num_tokens)}
 
-    def finish_batch(self, summary) -> int:
-        if self.fail_finish_at is not None and len(self.summaries) == self.fail_finish_at:
+    def optimizer_step(self) -> None:
+        self.steps.append(len(self.micro_batches))
+
+    def sync_weights(self, version: int) -> int:
+        if self.fail_finish_at is not None and len(self.syncs) == self.fail_finish_at:
             raise ValueError("optimizer exploded")
-        self.summaries.append(summary)
-        version = summary.policy_version + 1
+        self.syncs.append(version)
         self.engine.update_weights(f"/snapshots/{version}", version)
         return version
 
 
+def train_one_step(pipe: Pipeline, trainer) -> BatchSummary:
+    """The training loop's body (``trainer.loop.train``); an error aborts the pipeline as leaving
+    the loop's ``with pipeline:`` block does."""
+    try:
+        batch = pipe.begin_step()
+        for mini_batch in batch.mini_batches():
+            for micro_batch in mini_batch:
+                trainer.train_micro_batch(micro_batch)
+            trainer.optimizer_step()
+        return pipe.complete(batch, trainer.sync_weights(batch.policy_version + 1))
+    except BaseException:
+        pipe.abort()
+        raise
+
+
 def make_pipeline(engine, *, mode="periodic", max_staleness=0, prompts=None, controller=None, num_steps=3,
                   queue_size=64, dynamic_sampling=False, tokens=4096, flush_when_idle=True,
-                  reward_fn=parity_reward) -> Pipeline:
+                  reward_fn=parity_reward, mini_batches=1) -> Pipeline:
     """A pipeline over 6 prompts per batch (G = 4 unless ``controller`` says otherwise)."""
     return Pipeline(
         engine=engine, prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
@@ -158,7 +176,7 @@ def make_pipeline(engine, *, mode="periodic", max_staleness=0, prompts=None, con
         scoring=GroupScoring(dynamic_sampling=dynamic_sampling),
         settings=PipelineSettings(mode=mode, max_staleness=max_staleness, queue_size=queue_size, seed=7,
                                   micro_batch_tokens=tokens, flush_when_idle=flush_when_idle, poll_s=0.01,
-                                  join_timeout_s=5.0),
+                                  mini_batches=mini_batches, join_timeout_s=5.0),
         num_steps=num_steps,
     )
 

@@ -324,7 +324,11 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
             ["control.sagc.candidates [4, 8, 16]"],
         ),
         (["control.kind=sacg"], {"control.kind"}, ["did you mean 'sagc'"]),
-        (["control.group_size=1", "algorithm.advantage.scale=batch"], {"control.group_size"}, ["< 2"]),
+        (["control.group_size=1"], {"control.group_size"}, ["< 2"]),
+        (["algorithm.advantage.scale=batch"], {"algorithm.advantage.scale"}, ["defeats periodic"]),
+        (["pipeline.micro_batch_tokens=300"], {"pipeline.micro_batch_tokens"},
+         ["data.max_prompt_tokens (512) + rollout.sampling.max_new_tokens (256) = 768"]),
+        (["rollout.weight_sync=broadcast", "parallel.pp=2"], {"rollout.weight_sync"}, ["parallel.pp = 1"]),
         (
             ["control.kind=sagc", "control.sagc.candidates=[1, 4]", "control.group_size=4"],
             {"control.sagc.candidates"},

@@ -121,7 +121,14 @@ def test_no_stragglers_climbs_one_neighbour_per_step():
     for _ in range(6):
         choices.append(ctrl.choose())
         ctrl.observe(CLEAN)
-    assert choices == [4, 8, 16, 32, 32, 32]
+    assert choices == [2, 4, 8, 16, 32, 32]  # the first step runs the configured G, then one move a step
+
+
+@pytest.mark.parametrize("initial", [2, 8, 32])
+def test_first_choice_is_the_configured_group_size_whatever_the_draw(initial):
+    for seed in range(5):
+        ctrl = SAGCController(SAGCSettings(candidates=(2, 4, 8, 16, 32), initial=initial, seed=seed))
+        assert ctrl.choose() == initial and ctrl.metrics()["control/group_size"] == initial
 
 
 def test_persistent_stragglers_descend_one_neighbour_at_a_time():
@@ -210,6 +217,8 @@ def test_load_state_dict_rejects_other_candidates():
 
 def test_metrics_are_flat_floats_with_decision_and_posteriors():
     ctrl = SAGCController(SAGCSettings())
+    ctrl.choose()  # the first step runs the configured G without a draw
+    ctrl.observe(STRAGGLER)
     g = ctrl.choose()
     ctrl.observe(STRAGGLER)
     m = ctrl.metrics()

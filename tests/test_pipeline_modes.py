@@ -18,13 +18,14 @@ from tests.pipeline_fakes import (
     make_pipeline,
     producer_threads,
     sample_tokens,
+    train_one_step,
 )
 
 
 def run(engine, steps=3, trainer_sleep=0.0, **kw):
     trainer = FakeTrainer(engine, sleep_s=trainer_sleep)
     with deadline(60), make_pipeline(engine, num_steps=steps, **kw) as pipe:
-        reports = [pipe.train_step(trainer) for _ in range(steps)]
+        reports = [train_one_step(pipe, trainer) for _ in range(steps)]
     assert not producer_threads()
     return trainer, reports
 
@@ -97,7 +98,7 @@ def test_on_policy_batches_carry_one_version(mode):
         assert {s.weight_version for s in g.samples} == {5 + g.step}
     assert engine.calls == [(0, 5), (1, 6), (2, 7)]  # generation of step t starts at version 5 + t
     assert engine.updates == [6, 7, 8] and [r.new_version for r in reports] == [6, 7, 8]
-    assert all(r.summary.staleness.max == 0 for r in reports)
+    assert all(r.staleness.max == 0 for r in reports)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -108,10 +109,10 @@ def test_stale_mode_runs_ahead_within_the_bound(k):
         assert version >= step - k  # generation of batch t starts at a version >= t - k
     assert max(step - version for step, version in engine.calls) == k  # it did run ahead
     for report in reports:
-        step = report.summary.step
+        step = report.step
         d = [step - s.weight_version for g in trained_groups(trainer) if g.step == step for s in g.samples]
         assert 0 <= min(d) and max(d) <= k
-        st = report.summary.staleness
+        st = report.staleness
         assert (st.num_samples, st.min, st.max) == (len(d), min(d), max(d))
         assert st.mean == pytest.approx(sum(d) / len(d))
     for mb in trainer.micro_batches:
@@ -132,9 +133,9 @@ def test_dynamic_sampling_drops_equal_groups_before_the_trainer():
                 rewards.setdefault(pid, []).append(r)
         varied = {pid for pid, r in rewards.items() if len(set(r)) > 1}
         assert {g.prompt_id for g in trained_groups(trainer) if g.step == step} == varied
-        assert report.summary.end.groups_dropped == 6 - len(varied) >= 2
-        assert report.summary.trained_groups == len(varied)
-        assert report.summary.reward_mean == pytest.approx(sum(map(sum, rewards.values())) / 24)
+        assert report.end.groups_dropped == 6 - len(varied) >= 2
+        assert report.trained_groups == len(varied)
+        assert report.reward_mean == pytest.approx(sum(map(sum, rewards.values())) / 24)
 
 
 class ScriptedController(FixedController):
@@ -166,7 +167,7 @@ def test_controller_observes_each_batch_once_with_its_lengths():
     for step, size in enumerate([2, 5, 3]):
         assert controller.observed[step] == expected_lengths(engine, step, ids, size)  # dropped groups included
         assert all(g.group_size == size for g in trained_groups(trainer) if g.step == step)
-        assert reports[step].summary.end.group_size == size
+        assert reports[step].end.group_size == size
 
 
 def test_sagc_controller_is_fed_like_a_standalone_one():
@@ -186,11 +187,11 @@ def test_micro_batches_respect_the_token_budget():
     trainer, reports = run(engine, mode="periodic", tokens=40, flush_when_idle=False)
     for step in range(3):
         mbs = [mb for mb in trainer.micro_batches if mb.step == step]
-        assert reports[step].summary.num_micro_batches == len(mbs) >= 2
+        assert reports[step].num_micro_batches == len(mbs) >= 2
         for a, b in zip(mbs, mbs[1:], strict=False):
             assert a.packed.num_tokens <= 40 < a.packed.num_tokens + b.groups[0].num_packed_tokens
         tokens = sum(len(s.response_ids) for mb in mbs for g in mb.groups for s in g.samples)
-        assert reports[step].summary.trained_response_tokens == tokens
+        assert reports[step].trained_response_tokens == tokens
 
 
 def test_a_group_over_the_budget_raises_and_shuts_down():

@@ -10,7 +10,15 @@ import time
 import pytest
 
 from megatron_rl.pipeline import Pipeline, PipelineError
-from tests.pipeline_fakes import FakeEngine, FakePrompts, FakeTrainer, deadline, make_pipeline, producer_threads
+from tests.pipeline_fakes import (
+    FakeEngine,
+    FakePrompts,
+    FakeTrainer,
+    deadline,
+    make_pipeline,
+    producer_threads,
+    train_one_step,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +34,7 @@ def test_engine_error_surfaces_as_pipeline_error_with_its_cause():
     pipe = make_pipeline(engine).start()
     t0 = time.monotonic()
     with pytest.raises(PipelineError, match="engine exploded") as info:
-        pipe.train_step(FakeTrainer(engine))
+        train_one_step(pipe, FakeTrainer(engine))
     assert time.monotonic() - t0 < 5
     assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == "engine exploded"
     assert engine.shutdown_calls == 1 and not producer_threads()
@@ -36,10 +44,10 @@ def test_engine_error_in_a_later_step():
     engine = FakeEngine()
     trainer = FakeTrainer(engine)
     with make_pipeline(engine, num_steps=3) as pipe:
-        pipe.train_step(trainer)
+        train_one_step(pipe, trainer)
         engine.fail_after = 0  # the producer is waiting for version 1; the next generate fails
         with pytest.raises(PipelineError) as info:
-            pipe.train_step(trainer)
+            train_one_step(pipe, trainer)
     assert str(info.value.__cause__) == "engine exploded" and engine.shutdown_calls == 1
 
 
@@ -51,7 +59,7 @@ def test_reward_error_surfaces_with_its_cause():
         raise boom
 
     with make_pipeline(engine, reward_fn=bad_reward) as pipe, pytest.raises(PipelineError) as info:
-        pipe.train_step(FakeTrainer(engine))
+        train_one_step(pipe, FakeTrainer(engine))
     assert info.value.__cause__ is boom and engine.shutdown_calls == 1
 
 
@@ -63,7 +71,7 @@ def test_trainer_error_stops_a_producer_blocked_on_a_full_queue():
         time.sleep(0.1)  # the producer fills the queue and blocks on put
         assert engine.calls == [(0, 0)]  # stale mode would otherwise have started step 1 already
         with pytest.raises(ValueError, match="trainer exploded"):
-            pipe.train_step(trainer)
+            train_one_step(pipe, trainer)
         assert engine.calls == [(0, 0)] and len(engine.results) < 24  # it was still blocked in step 0
     assert engine.shutdown_calls == 1 and not producer_threads()
 
@@ -72,7 +80,7 @@ def test_trainer_error_in_finish_batch_stops_a_producer_waiting_for_a_version():
     engine = FakeEngine()
     trainer = FakeTrainer(engine, fail_finish_at=0)
     with pytest.raises(ValueError, match="optimizer exploded"), make_pipeline(engine, mode="periodic") as pipe:
-        pipe.train_step(trainer)
+        train_one_step(pipe, trainer)
     assert len(trainer.micro_batches) >= 1 and engine.shutdown_calls == 1
 
 
@@ -86,12 +94,12 @@ def test_a_stuck_engine_is_released_by_close():
 
 def test_finish_batch_must_load_the_new_version():
     class NoSync(FakeTrainer):
-        def finish_batch(self, summary):
-            return summary.policy_version + 1  # forgets engine.update_weights
+        def sync_weights(self, version):
+            return version  # forgets engine.update_weights
 
     engine = FakeEngine()
     with make_pipeline(engine) as pipe, pytest.raises(RuntimeError, match="must call engine.update_weights"):
-        pipe.train_step(NoSync(engine))
+        train_one_step(pipe, NoSync(engine))
 
 
 def test_close_is_idempotent_and_a_closed_pipeline_refuses_work():
@@ -99,13 +107,13 @@ def test_close_is_idempotent_and_a_closed_pipeline_refuses_work():
     trainer = FakeTrainer(engine)
     pipe = make_pipeline(engine, num_steps=1)
     with pipe:
-        pipe.train_step(trainer)
+        train_one_step(pipe, trainer)
         with pytest.raises(PipelineError, match="already trained"):
-            pipe.train_step(trainer)
+            train_one_step(pipe, trainer)
     pipe.close()
     assert engine.shutdown_calls == 1
     with pytest.raises(PipelineError, match="closed"):
-        pipe.train_step(trainer)
+        train_one_step(pipe, trainer)
 
 
 def test_bad_settings_are_named():
@@ -116,7 +124,7 @@ def test_bad_settings_are_named():
         make_pipeline(engine, queue_size=0)
     prompts = FakePrompts(["a", "a"], per_batch=2)
     with pytest.raises(PipelineError) as info, make_pipeline(engine, prompts=prompts) as pipe:
-        pipe.train_step(FakeTrainer(engine))
+        train_one_step(pipe, FakeTrainer(engine))
     assert "appears twice" in str(info.value.__cause__)
     assert isinstance(pipe, Pipeline)
 
@@ -129,5 +137,5 @@ def test_a_sample_from_the_wrong_version_is_an_error():
 
     engine = Lying()
     with pytest.raises(PipelineError) as info, make_pipeline(engine) as pipe:
-        pipe.train_step(FakeTrainer(engine))
+        train_one_step(pipe, FakeTrainer(engine))
     assert isinstance(info.value.__cause__, RuntimeError) and "allows [0, 0]" in str(info.value.__cause__)

@@ -139,7 +139,7 @@ class SAGCConfig:
     """Straggler-aware group control: Thompson sampling over G with a dual-ascent λ."""
 
     candidates: list[int] = field(default_factory=lambda: [4, 8, 16])  # allowed G, strictly increasing
-    tau: float = 3.0  # straggler threshold on max/median response length, > 1
+    tau: float = 3.0  # straggler threshold on max/median response length, > 1 (fixed G logs stragglers by it too)
     delta: float = 0.1  # target straggler rate, in (0, 1)
     gamma: float = 0.99  # forgetting factor of the Beta posteriors, in (0, 1]
     eta: float = 0.5  # dual-ascent step size for λ

@@ -204,6 +204,34 @@ def check_batch_split(cfg: Config) -> Found:
         yield "trainer.mini_batches", f"{t.mini_batches} does not divide {ppb}"
 
 
+def check_micro_batch_budget(cfg: Config) -> Found:
+    """A micro-batch must hold a prompt and one response of the longest allowed lengths (a group
+    over the budget is split into parts that share the prompt, but a part holds one response)."""
+    p, need = cfg.pipeline, cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    if p.micro_batch_tokens < need:
+        yield (
+            "pipeline.micro_batch_tokens",
+            f"{p.micro_batch_tokens} < data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + "
+            f"rollout.sampling.max_new_tokens ({cfg.rollout.sampling.max_new_tokens}) = {need}; raise it to >= {need}",
+        )
+
+
+def check_streaming(cfg: Config) -> Found:
+    """What the streaming pipeline and the one-replica loop cannot do (refused before launch)."""
+    if cfg.algorithm.advantage.scale == "batch":
+        yield (
+            "algorithm.advantage.scale",
+            "'batch' needs the whole batch before the first group can train, which defeats periodic "
+            "asynchrony; use 'group' or 'none'",
+        )
+    if cfg.rollout.weight_sync == "broadcast" and cfg.parallel.pp > 1:
+        yield (
+            "rollout.weight_sync",
+            f"'broadcast' needs parallel.pp = 1 (the leader must hold every tensor), got pp={cfg.parallel.pp}; "
+            "use 'snapshot', which every PP stage writes",
+        )
+
+
 def check_temperature(cfg: Config) -> Found:
     """Log-probs must be computed at the temperature the responses were sampled at."""
     train_t, sample_t = cfg.algorithm.temperature, cfg.rollout.sampling.temperature
@@ -269,6 +297,8 @@ CROSS_FIELD_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_overlong,
     check_control,
     check_batch_split,
+    check_micro_batch_budget,
+    check_streaming,
     check_temperature,
     check_checkpointing,
     check_rollout_devices,

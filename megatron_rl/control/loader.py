@@ -21,10 +21,11 @@ def load_controller(
     group_size: int | None = None,
     settings: SAGCSettings | None = None,
     options: Mapping[str, Any] | None = None,
+    tau: float | None = None,
 ) -> GroupSizeController:
     """Return a controller for `spec`.
 
-    spec: "fixed" (needs `group_size`; its straggler threshold is `settings.tau` if given),
+    spec: "fixed" (needs `group_size`; its straggler threshold is `tau`, else `settings.tau`),
           "sagc" (uses `settings`, default SAGCSettings()), or "package.module:ClassName",
           called as ClassName(**options).
     """
@@ -34,7 +35,7 @@ def load_controller(
     if spec == "fixed":
         if group_size is None:
             raise ValueError("controller 'fixed' needs group_size")
-        return FixedController(group_size, tau=settings.tau if settings else DEFAULT_TAU)
+        return FixedController(group_size, tau=tau if tau is not None else settings.tau if settings else DEFAULT_TAU)
     if spec == "sagc":
         return SAGCController(settings if settings is not None else SAGCSettings())
     return _load_dotted(spec, dict(options or {}))

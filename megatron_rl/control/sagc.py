@@ -128,7 +128,10 @@ class SAGCController:
     # -- protocol ------------------------------------------------------------------------------
     def choose(self) -> int:
         """Thompson-sample p~ for all candidates, return argmax log2 G - lambda p~ among the
-        current candidate and its neighbours; idempotent until `observe`."""
+        current candidate and its neighbours; idempotent until `observe`. The first step (no
+        observation yet) runs `settings.initial`, so `control.group_size` is the first G."""
+        if self._pending is None and self._steps == 0:
+            self._pending = self._index  # nothing observed yet: the first step runs the configured G
         if self._pending is None:
             alpha, beta = self.posterior()
             self._sample = self._rng.beta(alpha, beta)

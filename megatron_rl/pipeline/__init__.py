@@ -1,13 +1,16 @@
 """Periodic asynchrony: a producer thread feeds scored groups through a bounded queue to the
 consumer, which trains them as they arrive and syncs weights once per batch.
 
-Modules: `records` (Sample, ScoredGroup, BatchEnd, MicroBatch and the one conversion to
-tensors), `versions` (which policy version may generate which batch; staleness), `producer`
-(the thread: prompts -> engine -> rewards -> advantages -> queue), `consumer` (`Pipeline`:
-queue -> micro-batches -> `TrainerStep` -> finish_batch -> publish version; shutdown).
+Modules: `records` (Sample, ScoredGroup, BatchStart / BatchEnd, MicroBatch and the one
+conversion to tensors), `versions` (which policy version may generate which batch;
+staleness), `producer` (the thread: prompts -> engine -> rewards -> advantages -> queue;
+it owns the group-size controller), `batching` (a step's groups -> mini-batches in prompt
+order -> micro-batches under the token budget), `consumer` (`Pipeline`: begin_step ->
+micro-batches for the trainer -> complete(new version) -> publish; shutdown).
 """
 
-from megatron_rl.pipeline.consumer import BatchSummary, Pipeline, PipelineSettings, StepReport, TrainerStep
+from megatron_rl.pipeline.batching import StepBatch
+from megatron_rl.pipeline.consumer import BatchSummary, Pipeline, PipelineSettings, summarize
 from megatron_rl.pipeline.producer import (
     Detokenize,
     GroupScoring,
@@ -19,6 +22,7 @@ from megatron_rl.pipeline.producer import (
 )
 from megatron_rl.pipeline.records import (
     BatchEnd,
+    BatchStart,
     MicroBatch,
     PipelineError,
     Sample,
@@ -26,6 +30,7 @@ from megatron_rl.pipeline.records import (
     make_micro_batch,
     request_id,
     request_seed,
+    split_group,
     to_token_group,
 )
 from megatron_rl.pipeline.versions import (
@@ -40,6 +45,7 @@ from megatron_rl.pipeline.versions import (
 __all__ = [
     "PIPELINE_MODES",
     "BatchEnd",
+    "BatchStart",
     "BatchSummary",
     "Detokenize",
     "GroupScoring",
@@ -56,13 +62,14 @@ __all__ = [
     "Sample",
     "ScoredGroup",
     "StalenessStats",
-    "StepReport",
-    "TrainerStep",
+    "StepBatch",
     "VersionSchedule",
     "make_micro_batch",
     "request_id",
     "request_seed",
     "score_group",
+    "split_group",
     "staleness_stats",
+    "summarize",
     "to_token_group",
 ]

@@ -2,13 +2,19 @@
 
 Per batch i (step = start_step + i) the thread
 1. waits until the engine has loaded the version the ``VersionSchedule`` requires,
-2. asks the controller for G and the prompt source for the batch's prompts,
+2. asks the controller for G and the prompt source for the batch's prompts, and puts a
+   ``BatchStart``,
 3. sends every (prompt, k) request to the engine in one ``generate`` call (seeded per request,
    see ``records.request_seed``),
 4. scores each result as it completes; when a prompt's G samples are in, shapes the rewards,
    computes the group's advantages and dynamic-sampling verdict and puts the ``ScoredGroup``
    on the bounded queue (blocking while it is full),
-5. after the last group, puts a ``BatchEnd``.
+5. after the last group, lets the controller observe the batch's response lengths and puts a
+   ``BatchEnd`` carrying the controller's metrics and state.
+
+The thread owns the group-size controller: it observes batch i before it chooses G for batch
+i + 1, so every observation is credited to the G that produced it, also in ``stale`` mode
+where generation runs ahead of training.
 
 Contract: the thread never raises. Any error is stored in ``error`` and the thread exits; the
 consumer turns it into a ``PipelineError``. ``stop()`` makes every blocking point (full queue,
@@ -29,7 +35,15 @@ import torch
 
 from megatron_rl.algorithms import AdvantageScale, dynamic_sampling_keep, group_advantages, overlong_reward_delta
 from megatron_rl.control import GroupSizeController
-from megatron_rl.pipeline.records import BatchEnd, QueueItem, Sample, ScoredGroup, request_id, request_seed
+from megatron_rl.pipeline.records import (
+    BatchEnd,
+    BatchStart,
+    QueueItem,
+    Sample,
+    ScoredGroup,
+    request_id,
+    request_seed,
+)
 from megatron_rl.pipeline.versions import PolicyVersions, VersionSchedule
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine, SamplingSettings
 
@@ -121,12 +135,12 @@ class Producer:
 
     def __init__(
         self, *, engine: RolloutEngine, prompts: PromptSource, reward_fn: RewardCallable, detokenize: Detokenize,
-        controller: GroupSizeController, controller_lock: threading.Lock, versions: PolicyVersions,
+        controller: GroupSizeController, versions: PolicyVersions,
         schedule: VersionSchedule, sampling: SamplingSettings, scoring: GroupScoring, out: queue.Queue[QueueItem],
         start_step: int, num_steps: int, seed: int, poll_s: float,
     ) -> None:
         self._engine, self._prompts, self._reward_fn, self._detokenize = engine, prompts, reward_fn, detokenize
-        self._controller, self._controller_lock = controller, controller_lock
+        self._controller = controller
         self._versions, self._schedule, self._sampling, self._scoring = versions, schedule, sampling, scoring
         self._out, self._seed, self._poll_s = out, seed, poll_s
         self._start_step, self._num_steps = start_step, num_steps
@@ -168,12 +182,12 @@ class Producer:
     def _produce_batch(self, i: int) -> None:
         if not self._versions.wait_for(self._schedule.required_version(i), self._stop, self._poll_s):
             raise _Stopped
-        with self._controller_lock:
-            group_size = self._controller.choose()
+        group_size = self._controller.choose()
         items = list(self._prompts.next_batch())
         state_fn = getattr(self._prompts, "state_dict", None)
         source_state: Mapping[str, Any] | None = state_fn() if callable(state_fn) else None
         batch = self._new_batch(self._start_step + i, items, group_size)
+        self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
         requests = [self._request(batch.step, it.record.prompt_id, it.token_ids, k)
                     for it in items for k in range(group_size)]
         start = time.perf_counter()
@@ -184,10 +198,13 @@ class Producer:
         if batch.where:
             missing = next(iter(batch.where))
             raise RuntimeError(f"engine returned no result for {len(batch.where)} requests, e.g. {missing!r}")
+        generation_s = time.perf_counter() - start
         lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
+        self._controller.observe(lengths)
         self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
                            groups_produced=len(items), groups_dropped=batch.dropped, source_state=source_state,
-                           generation_s=time.perf_counter() - start))
+                           generation_s=generation_s, control_metrics=dict(self._controller.metrics()),
+                           controller_state=self._controller.state_dict()))
 
     def _new_batch(self, step: int, items: Sequence[PromptItem], group_size: int) -> _PendingBatch:
         where: dict[str, tuple[int, int]] = {}

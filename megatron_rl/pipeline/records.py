@@ -1,12 +1,15 @@
 """The records that cross the producer -> queue -> consumer boundary, and their one conversion
 to tensors.
 
-Flow: the producer turns each engine ``GenerationResult`` into a ``Sample`` (with its task
-reward), collects a prompt's G samples into a ``ScoredGroup`` (shaped rewards, group
-advantages, the dynamic-sampling verdict) and, after the batch's last group, a ``BatchEnd``
-marker (every response length of the step, group counts, the prompt source's state). The
-consumer turns kept groups into ``MicroBatch``es with ``make_micro_batch``: the only place
-where samples become tensors.
+Flow: before generating a batch the producer puts a ``BatchStart`` (how many prompts, which
+G); it turns each engine ``GenerationResult`` into a ``Sample`` (with its task reward),
+collects a prompt's G samples into a ``ScoredGroup`` (shaped rewards, group advantages, the
+dynamic-sampling verdict) and, after the batch's last group, a ``BatchEnd`` marker (every
+response length of the step, group counts, the prompt source's state, what the group-size
+controller observed). The consumer turns kept groups into ``MicroBatch``es with
+``make_micro_batch``: the only place where samples become tensors. A group that packs to
+more tokens than a micro-batch holds is split by ``split_group`` into parts that share its
+prompt (its advantages were computed on the whole group, so the loss is unchanged).
 
 Request ids are ``"<step>/<prompt_id>/<k>"``; the per-request seed is a hash of
 (base seed, step, prompt_id, k), so re-runs and every pipeline mode draw the same samples.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -86,6 +89,15 @@ class ScoredGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BatchStart:
+    """Marker before a batch's first group: its size, which fixes the mini-batch membership."""
+
+    step: int
+    num_prompts: int  # prompts of the batch; prompt_index of its groups is in [0, num_prompts)
+    group_size: int  # G the batch is generated with
+
+
+@dataclass(frozen=True, kw_only=True)
 class BatchEnd:
     """Marker after a batch's last group: what the controller observes and what was dropped."""
 
@@ -96,9 +108,13 @@ class BatchEnd:
     groups_dropped: int  # by dynamic sampling
     source_state: Mapping[str, Any] | None  # prompt source's state_dict() after drawing this batch
     generation_s: float = 0.0  # from the first request to the last result (generation + scoring)
+    # The group-size controller's view right after observing this batch (the producer owns the
+    # controller: an observation is credited to the G that produced it, in every mode).
+    control_metrics: Mapping[str, float] = field(default_factory=dict)
+    controller_state: Mapping[str, Any] = field(default_factory=dict)  # resume from here
 
 
-QueueItem = ScoredGroup | BatchEnd
+QueueItem = BatchStart | ScoredGroup | BatchEnd
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -111,7 +127,8 @@ class MicroBatch:
 
     step: int
     policy_version: int  # version of the policy being trained on this micro-batch
-    groups: tuple[ScoredGroup, ...]
+    mini_batch: int  # which optimizer step of the batch it belongs to (0-based, prompt order)
+    groups: tuple[ScoredGroup, ...]  # whole groups or parts of one (``split_group``)
     packed: PackedMicroBatch
     advantages: torch.Tensor  # [R] float32
     behav_logprobs: torch.Tensor  # [N] float32
@@ -145,7 +162,7 @@ def to_token_group(group: ScoredGroup) -> TokenGroup:
     )
 
 
-def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int) -> MicroBatch:
+def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini_batch: int = 0) -> MicroBatch:
     """Pack kept groups (in the given order) into one ``MicroBatch``; no token budget check here."""
     if not groups:
         raise ValueError("make_micro_batch needs at least one group")
@@ -158,6 +175,7 @@ def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int) -> M
     return MicroBatch(
         step=groups[0].step,
         policy_version=policy_version,
+        mini_batch=mini_batch,
         groups=tuple(groups),
         packed=concat_groups([pack_group(to_token_group(g)) for g in groups]),
         advantages=torch.cat([g.advantages.to(torch.float32) for g in groups]),
@@ -166,19 +184,46 @@ def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int) -> M
     )
 
 
+def split_group(group: ScoredGroup, token_budget: int) -> list[ScoredGroup]:
+    """``[group]`` if it fits ``token_budget``, else consecutive parts ``[prompt, r_i..r_j]`` that
+    each fit (greedy, sample order kept). Each part keeps the group's prompt, step, index and
+    the per-sample rewards / advantages of its samples: every loss term is per token or per
+    sequence with a batch-level denominator, so training the parts equals training the whole.
+    ``ValueError`` if the prompt and one response alone exceed the budget."""
+    if group.num_packed_tokens <= token_budget:
+        return [group]
+    prompt = len(group.samples[0].prompt_ids)
+    parts: list[list[int]] = [[]]
+    used = prompt
+    for k, sample in enumerate(group.samples):
+        n = len(sample.response_ids)
+        if prompt + n > token_budget:
+            raise ValueError(
+                f"group {group.prompt_id!r} (step {group.step}): prompt ({prompt} tokens) + response {k} "
+                f"({n} tokens) exceed micro_batch_tokens={token_budget}; raise pipeline.micro_batch_tokens to at "
+                "least data.max_prompt_tokens + rollout.sampling.max_new_tokens"
+            )
+        if parts[-1] and used + n > token_budget:
+            parts.append([])
+            used = prompt
+        parts[-1].append(k)
+        used += n
+    return [_group_part(group, idx) for idx in parts]
+
+
+def _group_part(group: ScoredGroup, indices: list[int]) -> ScoredGroup:
+    pick = torch.tensor(indices, dtype=torch.int64)
+    return ScoredGroup(
+        step=group.step, prompt_index=group.prompt_index, prompt_id=group.prompt_id,
+        samples=tuple(group.samples[k] for k in indices), rewards=group.rewards[pick],
+        advantages=group.advantages[pick], kept=group.kept,
+    )
+
+
 def chunk_by_tokens(groups: Sequence[ScoredGroup], token_budget: int) -> list[list[ScoredGroup]]:
-    """Greedy, order-preserving split into chunks of at most ``token_budget`` packed tokens."""
-    chunks = greedy_chunks([g.num_packed_tokens for g in groups], token_budget,
-                           name=lambda i: f"group {groups[i].prompt_id!r} (step {groups[i].step})")
-    return [[groups[i] for i in chunk] for chunk in chunks]
-
-
-def check_fits(group: ScoredGroup, token_budget: int) -> int:
-    """The group's packed token count; ``ValueError`` if it exceeds ``micro_batch_tokens``."""
-    n = group.num_packed_tokens
-    if n > token_budget:
-        raise ValueError(
-            f"group {group.prompt_id!r} (step {group.step}) packs to {n} tokens, more than "
-            f"micro_batch_tokens={token_budget}; raise it to at least max_prompt_len + G * max_new_tokens"
-        )
-    return n
+    """Greedy, order-preserving split into chunks of at most ``token_budget`` packed tokens;
+    groups over the budget are split first (``split_group``)."""
+    parts = [part for g in groups for part in split_group(g, token_budget)]
+    chunks = greedy_chunks([g.num_packed_tokens for g in parts], token_budget,
+                           name=lambda i: f"group {parts[i].prompt_id!r} (step {parts[i].step})")
+    return [[parts[i] for i in chunk] for chunk in chunks]

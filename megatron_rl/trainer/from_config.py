@@ -117,6 +117,7 @@ def pipeline_settings(cfg: Config) -> PipelineSettings:
         max_staleness=p.max_staleness,
         queue_size=p.queue_size,
         micro_batch_tokens=p.micro_batch_tokens,
+        mini_batches=cfg.trainer.mini_batches,
         seed=cfg.rollout.sampling.seed,
     )
 

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_rl.pipeline import BatchSummary
+    from megatron_rl.trainer.policy_step import MiniBatchResult
+    from megatron_rl.trimodel.model import TriModelMemory
 
 
 class MetricsLogger:
@@ -45,3 +51,36 @@ class MetricsLogger:
             self._file.close()
             self._tb.close()
             self._file = self._tb = None
+
+
+def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seconds: Mapping[str, float], *,
+                 step_s: float, memory: TriModelMemory) -> dict[str, float]:
+    """The flat metrics of one step: rollout, time per phase, loss, controller, memory."""
+    s, end = summary, summary.end
+    stepped = [r for r in results if not r.skipped]
+    metrics = {
+        "rollout/reward_mean": s.reward_mean, "rollout/group_size": float(end.group_size),
+        "rollout/groups_dropped": float(end.groups_dropped),
+        "rollout/response_tokens": float(s.trained_response_tokens),
+        "rollout/mean_response_len": sum(end.response_lengths) / max(len(end.response_lengths), 1),
+        "rollout/staleness_max": float(s.staleness.max), "rollout/staleness_mean": s.staleness.mean,
+        "time/step_s": step_s, "time/queue_wait_s": s.wait_s, "time/generation_s": end.generation_s,
+        **{f"time/{phase}_s": value for phase, value in seconds.items()},
+        "train/micro_batches": float(s.num_micro_batches),
+        "train/overlapped_micro_batches": float(s.overlapped_micro_batches),
+        "loss/value": sum(r.loss for r in stepped) / max(len(stepped), 1),
+        "loss/grad_norm": sum(r.grad_norm for r in stepped) / max(len(stepped), 1),
+        "train/optimizer_steps": float(len(stepped)), "train/skipped_mini_batches": float(len(results) - len(stepped)),
+        "train/version": float(s.new_version),
+    }
+    if stepped:
+        metrics.update(stepped[-1].metrics)
+    metrics.update(end.control_metrics)  # already named control/...
+    metrics.update(memory.as_metrics())
+    return metrics
+
+
+def format_step(step: int, metrics: Mapping[str, float]) -> str:
+    """One console line per step."""
+    return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f} loss {metrics['loss/value']:.4f} "
+            f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s")

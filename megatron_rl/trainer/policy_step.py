@@ -33,6 +33,7 @@ class MiniBatchResult:
     denominator: float
     loss: float  # the mini-batch's normalised loss
     metrics: dict[str, float]
+    skipped: bool = False  # no trainable token in the mini-batch: no optimizer step was taken
 
 
 class PolicyTrainer:
@@ -60,7 +61,9 @@ class PolicyTrainer:
     def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch):
         packed = mb.packed
         logp, mask = unpack_logprobs_padded(lp.policy, packed)
-        old = None if lp.old_is_policy else unpack_logprobs_padded(lp.old, packed)[0]
+        # One optimizer step per batch: every forward of the batch runs at θ_t, so the old policy
+        # (and the recompute proximal of ppo_decoupled) is the detached policy, no extra forward.
+        old = logp.detach() if lp.old_is_policy else unpack_logprobs_padded(lp.old, packed)[0]
         ref = unpack_logprobs_padded(lp.ref, packed)[0] if lp.ref is not None else None
         entropy = unpack_logprobs_padded(lp.entropy, packed)[0] if lp.entropy is not None else None
         behav = unpack_logprobs_padded(mb.behav_logprobs.to(logp.dtype), packed)[0]
@@ -79,8 +82,9 @@ class PolicyTrainer:
 
         totals = self._global_totals()
         denominator, numerator = float(totals[0]), float(totals[1])
-        if denominator <= 0:
-            raise RuntimeError("the mini-batch had no trainable tokens (all groups dropped or masked)")
+        if denominator <= 0:  # every group of the mini-batch dropped (dynamic sampling): nothing to learn
+            self._reset()
+            return MiniBatchResult(grad_norm=0.0, denominator=0.0, loss=0.0, metrics={}, skipped=True)
         from megatron.core import parallel_state as ps
 
         # megatron's DDP averages over DP ranks (scales by 1/dp before its reduce-sum); the batch

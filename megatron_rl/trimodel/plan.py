@@ -6,8 +6,9 @@ micro-steps, moved to the device for each one) or ``skipped`` (not built, not ru
 
 - old is skipped when it cannot differ from the policy: a rollout batch gets exactly one
   optimizer step, so every forward of the batch sees θ_t (its log-probs are then the
-  detached policy log-probs), or the loss never reads it (``ppo_decoupled`` with the
-  ``loglinear`` A-3PO proximal, which interpolates instead of running a forward);
+  detached policy log-probs: that is also the ``recompute`` proximal of ``ppo_decoupled``,
+  π_prox = θ_t, got without an extra forward), or the loss never reads it
+  (``ppo_decoupled`` with the ``loglinear`` A-3PO proximal, which interpolates instead);
 - the reference is skipped when no loss term needs it (``kl_coef == 0``).
 
 ``plan_trimodel`` makes that decision once, from the loss settings and the optimizer steps
@@ -80,7 +81,8 @@ def plan_trimodel(
                        reason="old skipped: proximal = loglinear (A-3PO interpolates, no old-policy forward)")
     elif steps == 1:
         old = CopyPlan(residency=Residency.SKIPPED,
-                       reason="old skipped: 1 optimizer step per batch (old == policy; detached policy log-probs used)")
+                       reason="old skipped: 1 optimizer step per batch (old == policy == recompute proximal; "
+                              "detached policy log-probs used)")
     else:
         old = _kept("old", offload_old, f"{steps} optimizer steps per batch")
     if loss.kl_coef == 0:

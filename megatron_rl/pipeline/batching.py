@@ -1,0 +1,133 @@
+"""One step's groups -> mini-batches (by prompt order) -> micro-batches (by token budget).
+
+Mini-batch membership is decided by the batch's prompt order, never by arrival: with
+``num_mini_batches = m`` and ``n`` prompts, prompt ``p`` belongs to mini-batch ``p // (n / m)``.
+Each mini-batch ends with one optimizer step, so the update does not depend on which
+engine finished first: ``periodic`` (groups trained as they arrive) equals ``sync`` (the
+whole batch received first, then packed in prompt order) because, inside a mini-batch,
+gradient accumulation is a sum.
+
+``periodic`` / ``stale`` (``streamed``): mini-batch j is trained while it arrives; groups of
+later mini-batches that complete early wait in a buffer (they must see the weights after
+step j). A micro-batch is cut when the next group would overflow the token budget, or when
+the queue is momentarily empty (``flush_when_idle``), so training overlaps generation.
+
+The caller iterates ``StepBatch.mini_batches()`` in order and each mini-batch to its end
+before the next; a mini-batch whose groups were all dropped (dynamic sampling) yields no
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from megatron_rl.pipeline.records import (
+    BatchEnd,
+    BatchStart,
+    MicroBatch,
+    QueueItem,
+    ScoredGroup,
+    chunk_by_tokens,
+    make_micro_batch,
+    split_group,
+)
+
+
+class StepBatch:
+    """The groups of one step as the consumer pops them, cut into mini- and micro-batches."""
+
+    def __init__(self, *, start: BatchStart, policy_version: int, num_mini_batches: int, token_budget: int,
+                 streamed: bool, flush_when_idle: bool, pop: Callable[[], QueueItem],
+                 queue_empty: Callable[[], bool]) -> None:
+        m, n = num_mini_batches, start.num_prompts
+        if n % m:
+            raise ValueError(f"step {start.step}: {n} prompts cannot be split into trainer.mini_batches={m} "
+                             "equal mini-batches")
+        self.start, self.step, self.policy_version = start, start.step, policy_version
+        self.num_mini_batches, self._per_mini = m, n // m
+        self._budget, self._streamed, self._flush_when_idle = token_budget, streamed, flush_when_idle
+        self._pop, self._queue_empty = pop, queue_empty
+        self.groups: list[ScoredGroup] = []  # every group of the step, in arrival order
+        self.end: BatchEnd | None = None
+        self._seen = [0] * m  # groups received per mini-batch (dropped ones included)
+        self._waiting: list[list[ScoredGroup]] = [[] for _ in range(m)]  # kept, for a later mini-batch
+        self.num_micro_batches = 0
+        self.overlapped_micro_batches = 0  # handed out while groups of the step were still generating
+        self._next_mini = 0
+
+    def mini_batches(self) -> Iterator[Iterator[MicroBatch]]:
+        """``num_mini_batches`` iterators of micro-batches, in prompt order (see the module doc)."""
+        if not self._streamed:
+            self._receive_all()
+        for j in range(self.num_mini_batches):
+            if self._next_mini != j:
+                raise RuntimeError(f"mini-batch {self._next_mini - 1} of step {self.step} was not trained to its end")
+            yield self._streamed_mini(j) if self._streamed else self._synced_mini(j)
+
+    def finish(self) -> BatchEnd:
+        """Pop up to the step's ``BatchEnd`` (after the last mini-batch) and return it."""
+        while self.end is None:
+            self._receive()
+        return self.end
+
+    def mini_batch_of(self, group: ScoredGroup) -> int:
+        return group.prompt_index // self._per_mini
+
+    # -- receiving ---------------------------------------------------------------------------
+    def _receive(self) -> ScoredGroup | None:
+        """Pop one item of this step; a group is recorded and returned, the end marker stored."""
+        item = self._pop()
+        if item.step != self.step or isinstance(item, BatchStart):
+            raise RuntimeError(f"consumer expected a group of step {self.step}, got {type(item).__name__} of "
+                               f"step {item.step}")
+        if isinstance(item, BatchEnd):
+            if sum(self._seen) != self.start.num_prompts:
+                raise RuntimeError(f"step {self.step} ended after {sum(self._seen)} of {self.start.num_prompts} groups")
+            self.end = item
+            return None
+        self.groups.append(item)
+        self._seen[self.mini_batch_of(item)] += 1
+        return item
+
+    def _receive_all(self) -> None:
+        while self.end is None:
+            self._receive()
+
+    def _generating(self) -> bool:
+        return sum(self._seen) < self.start.num_prompts
+
+    # -- cutting ----------------------------------------------------------------------------
+    def _synced_mini(self, j: int) -> Iterator[MicroBatch]:
+        """sync: the kept groups of mini-batch j in prompt order, packed under the budget."""
+        kept = sorted((g for g in self.groups if g.kept and self.mini_batch_of(g) == j), key=lambda g: g.prompt_index)
+        for chunk in chunk_by_tokens(kept, self._budget):
+            yield self._micro_batch(chunk, j)
+        self._next_mini = j + 1
+
+    def _streamed_mini(self, j: int) -> Iterator[MicroBatch]:
+        """periodic / stale: mini-batch j's groups as they arrive (earlier arrivals first)."""
+        buf: list[ScoredGroup] = []
+        pending, self._waiting[j] = self._waiting[j], []
+        while pending or self._seen[j] < self._per_mini:
+            group = pending.pop(0) if pending else self._receive()
+            if group is None or not group.kept:
+                continue
+            if self.mini_batch_of(group) != j:
+                self._waiting[self.mini_batch_of(group)].append(group)
+                continue
+            for part in split_group(group, self._budget):
+                if buf and sum(g.num_packed_tokens for g in buf) + part.num_packed_tokens > self._budget:
+                    yield self._micro_batch(buf, j)
+                    buf = []
+                buf.append(part)
+            if buf and not pending and self._flush_when_idle and self._queue_empty():
+                yield self._micro_batch(buf, j)
+                buf = []
+        if buf:
+            yield self._micro_batch(buf, j)
+        self._next_mini = j + 1
+
+    def _micro_batch(self, groups: list[ScoredGroup], j: int) -> MicroBatch:
+        self.num_micro_batches += 1
+        self.overlapped_micro_batches += self._generating()
+        return make_micro_batch(groups, policy_version=self.policy_version, mini_batch=j)

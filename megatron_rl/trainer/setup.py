@@ -1,0 +1,125 @@
+"""Everything a run needs before its first step, built from the validated ``Config``.
+
+``build_run`` initialises the parallel state, builds this rank's ``Replica`` (policy, old /
+reference copies, optimizer; resumed from a checkpoint when ``trainer.resume_from`` is set)
+and, on the replica's leader, the engine pool, the pipeline (prompts, reward, group-size
+controller, sampling) and the metrics logger. The loop (``trainer.loop``) only runs steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.config import Config, ConfigError, validate_world
+from megatron_rl.config.errors import Problem
+from megatron_rl.control import GroupSizeController, load_controller
+from megatron_rl.data import PromptStream, load_records, tokenize_records
+from megatron_rl.parallel.state import initialize_parallel
+from megatron_rl.pipeline import Pipeline
+from megatron_rl.rewards import load_reward_fn
+from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
+from megatron_rl.trainer import from_config
+from megatron_rl.trainer.build import build_policy_trainer
+from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state
+from megatron_rl.trainer.metrics import MetricsLogger
+from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
+
+EngineFactory = Callable[[EngineSettings], RolloutEngine]
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One rank's run: the replica everywhere; pipeline and logger on the replica's leader."""
+
+    replica: Replica
+    first_step: int  # 0, or the resumed checkpoint's step
+    pipeline: Pipeline | None  # None on followers
+    logger: MetricsLogger | None
+    snapshot_root: Path
+
+    @property
+    def is_leader(self) -> bool:
+        return self.replica.channel.is_leader
+
+    def cleanup(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        shutil.rmtree(self.snapshot_root, ignore_errors=True)
+
+
+def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None) -> Run:
+    """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``."""
+    _, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed, platform=platform)
+    validate_world(cfg, layout.world_size)
+    if layout.dp != 1:
+        raise ConfigError([Problem(key="parallel.dp", message=(
+            f"data-parallel RL runs (dp={layout.dp}) are not supported yet: launch parallel.tp x parallel.pp = "
+            f"{cfg.parallel.tp * cfg.parallel.pp} processes"))])
+    resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
+    policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
+    trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
+    if resume:
+        load_optimizer(trainer.optimizer, cfg.trainer.resume_from)
+    channel = ReplicaChannel()
+    snapshots = _shared_snapshot_root()
+    engine = None
+    if channel.is_leader:
+        engine = (engine_factory or build_engine)(from_config.engine_settings(cfg, model_path=policy_path))
+    replica = Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
+                      channel=channel, weight_sync=cfg.rollout.weight_sync)
+    first = resume.step if resume else 0
+    if not channel.is_leader:
+        return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=snapshots)
+    pipeline = build_pipeline(cfg, engine, resume)
+    return Run(replica=replica, first_step=first, pipeline=pipeline, logger=MetricsLogger(cfg.trainer.log_dir),
+               snapshot_root=snapshots)
+
+
+def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeController:
+    """The group-size controller; on a fresh run its first choice must be ``control.group_size``."""
+    c = cfg.control
+    controller = load_controller(c.kind, group_size=c.group_size, tau=c.sagc.tau, options=c.options or None,
+                                 settings=from_config.sagc_settings(cfg) if c.kind == "sagc" else None)
+    if resume:
+        controller.load_state_dict(resume.controller)
+    elif (first := controller.choose()) != c.group_size:
+        raise ConfigError([Problem(key="control.group_size", message=(
+            f"{c.group_size}, but controller {c.kind!r} chose G={first} for the first step; a controller "
+            "must start at control.group_size"))])
+    return controller
+
+
+def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None) -> Pipeline:
+    """Prompts, reward, controller and sampling wired into the producer/consumer pipeline
+    (continuing a checkpoint's prompt stream, controller state and step count when resuming)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    d = cfg.data
+    records = load_records(d.source, prompt_key=d.prompt_key, answer_key=d.answer_key, size=d.size, seed=d.seed)
+    prompts = tokenize_records(records, tokenizer, chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens)
+    stream = PromptStream(prompts.prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
+    if resume and resume.prompt_stream:
+        stream.load_state_dict(resume.prompt_stream)
+    start = resume.step if resume else 0
+    return Pipeline(
+        engine=engine, prompts=stream, reward_fn=load_reward_fn(cfg.reward.fn),
+        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        controller=build_controller(cfg, resume), sampling=from_config.sampling_settings(cfg, tokenizer),
+        scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
+        num_steps=cfg.trainer.steps - start, start_step=start,
+    )
+
+
+def _shared_snapshot_root() -> Path:
+    """A directory for weight snapshots, in shared memory when the machine has it; same on all ranks."""
+    base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    box = [tempfile.mkdtemp(prefix="megatron_rl-weights-", dir=base) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
