@@ -1,4 +1,5 @@
-"""RL objectives as pure tensor functions: advantages, policy losses, A-3PO proximal, KL estimators.
+"""RL objectives as pure tensor functions: advantages, policy losses, A-3PO proximal, KL
+estimators, rollout (training–inference mismatch) correction and its alarm.
 
 No process groups and no I/O here: the trainer all-reduces what ``loss_denominator`` and
 ``LossMetrics`` document, everything else is tensor in, tensor out.
@@ -8,6 +9,16 @@ from megatron_rl.algorithms.advantages import (
     ADVANTAGE_SCALES,
     AdvantageScale,
     group_advantages,
+)
+from megatron_rl.algorithms.correction import (
+    CORRECTION_MODES,
+    CorrectionMode,
+    MismatchAlarm,
+    MismatchAlarmError,
+    MismatchMetrics,
+    RolloutCorrection,
+    alarm_verdict,
+    rollout_correction,
 )
 from megatron_rl.algorithms.dapo import dynamic_sampling_keep, overlong_reward_delta
 from megatron_rl.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
@@ -31,6 +42,7 @@ from megatron_rl.algorithms.proximal import (
 
 __all__ = [
     "ADVANTAGE_SCALES",
+    "CORRECTION_MODES",
     "KL_ESTIMATORS",
     "LOSS_KINDS",
     "MAX_FIELDS",
@@ -38,12 +50,18 @@ __all__ = [
     "SUM_FIELDS",
     "AdvantageScale",
     "BehaviourWeight",
+    "CorrectionMode",
     "KLEstimator",
     "LossKind",
     "LossMetrics",
     "LossOutput",
     "LossSettings",
+    "MismatchAlarm",
+    "MismatchAlarmError",
+    "MismatchMetrics",
     "ProximalMode",
+    "RolloutCorrection",
+    "alarm_verdict",
     "behaviour_weight",
     "dynamic_sampling_keep",
     "group_advantages",
@@ -52,5 +70,6 @@ __all__ = [
     "loss_denominator",
     "overlong_reward_delta",
     "policy_loss",
+    "rollout_correction",
     "staleness_alpha",
 ]

@@ -25,15 +25,28 @@ the data-side functions in ``dapo.py``. The KL and entropy terms are added per t
 aggregated like the policy term (as TRL does for KL; TRL's entropy bonus is always a token
 mean). In ``ppo_decoupled``, ℓ carries the behaviour weight π_prox / π_behav and tokens the
 cap drops still count in the denominator (as in AReaL).
+
+Rollout correction (``correction.py``): whenever ``behav_logp`` is given, the engine's
+log-probs are compared with the trainer's for the same weights (``old_logp``, or the detached
+policy when it is None) and TRL's ``vllm_importance_sampling_*`` weight multiplies the clipped
+policy term per token (KL and entropy terms unweighted, dropped tokens still in the
+denominator, as TRL). In ``ppo_decoupled`` the behaviour weight stays the one importance weight
+and the correction only masks (no double counting; see ``correction.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
 
+from megatron_rl.algorithms.correction import (
+    Correction,
+    MismatchAlarm,
+    RolloutCorrection,
+    rollout_correction,
+)
 from megatron_rl.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
 from megatron_rl.algorithms.metrics import LossMetrics
 from megatron_rl.algorithms.proximal import (
@@ -61,6 +74,10 @@ class LossSettings:
     proximal: ProximalMode = "recompute"  # ppo_decoupled: old-policy forward or A-3PO
     behav_weight_cap: float | None = None  # ppo_decoupled: drop tokens with π_prox/π_behav > cap
     max_response_len: int | None = None  # dr_grpo: the constant length normaliser
+    # Rollout importance-sampling correction; "none" here, the config default is TRL's
+    # sequence_mask with C_max = 3 (algorithm.rollout_correction).
+    correction: RolloutCorrection = RolloutCorrection()
+    mismatch_alarm: MismatchAlarm | None = None  # gate the trainer applies before the optimizer step
 
     def __post_init__(self) -> None:
         _check_in("kind", self.kind, LOSS_KINDS)
@@ -76,6 +93,12 @@ class LossSettings:
             )
         if self.behav_weight_cap is not None and self.behav_weight_cap <= 1.0:
             raise ValueError(f"behav_weight_cap must be > 1 or None, got {self.behav_weight_cap}")
+        if self.kind == "ppo_decoupled" and self.correction.mode.endswith("_truncate"):
+            raise ValueError(
+                f"rollout correction mode {self.correction.mode!r} would be a second importance "
+                "weight next to the decoupled behaviour weight; use a *_mask mode or none, and "
+                "bound the behaviour weight with behav_weight_cap"
+            )
         if self.kind == "dr_grpo" and (self.max_response_len or 0) <= 0:
             raise ValueError(
                 f"kind='dr_grpo' needs max_response_len > 0, got {self.max_response_len}"
@@ -140,6 +163,12 @@ def policy_loss(
     anchor, behav = _anchor_and_behaviour(
         settings, logp, mask, old_logp, behav_logp, versions, current_version
     )
+    correction = None
+    if behav_logp is not None:
+        correction = rollout_correction(
+            settings.correction, trainer_logp=logp if old_logp is None else old_logp,
+            behav_logp=behav_logp, logp=logp, advantages=advantages, mask=mask,
+        )
     counted = mask.bool()
     loss_tokens = counted if behav is None else behav.kept
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
@@ -150,6 +179,8 @@ def policy_loss(
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     if behav is not None:
         per_token = per_token * behav.weight
+    if correction is not None:
+        per_token = per_token * _correction_factor(settings, correction).to(per_token.dtype)
     kl_ref = None
     if ref_logp is not None:
         ref = torch.where(counted, ref_logp, logp.detach())
@@ -160,6 +191,8 @@ def policy_loss(
         per_token = per_token - settings.entropy_coef * entropy
     loss = _numerator(settings, per_token, loss_tokens, counted) / denominator
     metrics = _metrics(settings, ratio, adv, anchor, logp, loss_tokens, kl_ref, entropy, behav)
+    if correction is not None:
+        metrics = replace(metrics, mismatch=correction.metrics)
     return LossOutput(loss=loss.to(logp.dtype), metrics=metrics)
 
 
@@ -208,6 +241,13 @@ def _anchor_and_behaviour(
             raise ValueError("proximal='loglinear' needs versions and current_version")
         prox = loglinear_proximal_logp(behav_logp, logp, versions, current_version, mask)
     return prox, behaviour_weight(prox, behav_logp, mask, settings.behav_weight_cap)
+
+
+def _correction_factor(settings: LossSettings, correction: Correction) -> torch.Tensor:
+    """TRL's weight; for ppo_decoupled only its keep-mask (the behaviour weight is the weight)."""
+    if settings.kind == "ppo_decoupled":
+        return (~correction.dropped).to(correction.weight.dtype)
+    return correction.weight
 
 
 def _numerator(settings: LossSettings, per_token: torch.Tensor, loss_tokens: torch.Tensor,

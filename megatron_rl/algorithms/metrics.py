@@ -5,7 +5,9 @@ adding) or maxima (combine by max), never per-micro-batch means, so merging the 
 batch's micro-batches in any split gives the whole-batch statistics. Across DP ranks the
 trainer all-reduces ``SUM_FIELDS`` with SUM and ``MAX_FIELDS`` with MAX (this module holds no
 process group). Token statistics are over the tokens that enter the loss (mask minus tokens
-dropped by the behaviour-weight cap); ``n_capped`` counts the dropped ones.
+dropped by the behaviour-weight cap); ``n_capped`` counts the dropped ones. ``mismatch``
+(engine vs trainer log-probs, ``correction.MismatchMetrics``) is over all counted tokens and
+merges the same way; it is logged under ``mismatch/``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import torch
+
+from megatron_rl.algorithms.correction import MismatchMetrics
 
 SUM_FIELDS = (
     "n_tokens", "n_clip_low", "n_clip_high", "ratio_sum", "approx_kl_sum",
@@ -40,6 +44,7 @@ class LossMetrics:
     behav_weight_sum: torch.Tensor | None = None  # π_prox / π_behav, decoupled only
     behav_weight_max: torch.Tensor | None = None
     n_capped: torch.Tensor | None = None  # counted tokens dropped by behav_weight_cap
+    mismatch: MismatchMetrics | None = None  # engine vs trainer log-probs (given behav_logp)
 
     def merge(self, other: LossMetrics) -> LossMetrics:
         """Statistics of the union of both token sets (sums added, maxima maxed)."""
@@ -48,7 +53,9 @@ class LossMetrics:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if (a is None) != (b is None):
                 raise ValueError(f"cannot merge LossMetrics: {f.name} is set on one side only")
-            if a is not None:
+            if f.name == "mismatch" and a is not None:
+                merged[f.name] = a.merge(b)
+            elif a is not None:
                 merged[f.name] = torch.maximum(a, b) if f.name in MAX_FIELDS else a + b
         return replace(self, **merged)
 
@@ -71,4 +78,7 @@ class LossMetrics:
             out["behav_weight_mean"] = float(self.behav_weight_sum) / n
             out["behav_weight_max"] = float(self.behav_weight_max)
             out["n_capped"] = float(self.n_capped)
-        return {prefix + k: v for k, v in out.items()}
+        out = {prefix + k: v for k, v in out.items()}
+        if self.mismatch is not None:
+            out.update(self.mismatch.to_log())
+        return out

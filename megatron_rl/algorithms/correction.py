@@ -1,0 +1,268 @@
+"""Training–inference mismatch: TRL's rollout importance-sampling correction, DeepSeek-V3.2
+off-policy sequence masking, the mismatch metrics and the alarm that gates the optimizer step.
+
+Contract: pure tensor functions, no process groups. Per-token tensors are padded ``[B, L]``
+with ``mask [B, L]`` (1 = response token that counts); ``advantages`` are ``[B]``.
+
+Log-probs. ``behav_logp`` is what the rollout engine reported for the sampled token (the
+sampled-from distribution, after temperature and top-p: see ``rollout/sampling.py``);
+``trainer_logp`` is the trainer's log-prob of the same token under the same weights: the old
+policy (θ at the iteration's start), or the detached policy where the old policy is not
+computed (one optimizer step per batch: the policy before the step). Padding may hold
+anything; it never enters a result.
+
+Correction (``mode``), exactly TRL ``GRPOTrainer``'s ``vllm_importance_sampling_*``:
+
+- per-token log-ratio δ_t = log π_trainer − log π_behav on counted tokens, 0 elsewhere (NaN → 0);
+- ``token_*``: r_t = exp(δ_t); ``sequence_*``: r = exp(Σ_t δ_t) (a sum, not a mean), shared by
+  the sequence's tokens;
+- ``*_truncate``: w = clamp(r, C_min, C_max); ``*_mask``: w = r inside [C_min, C_max], else 0
+  (a missing bound is ±∞); ``none``: w = 1.
+
+Off-policy sequence masking (DeepSeek-V3.2 eq. 9, TRL's ``off_policy_mask_threshold``): with
+the policy being trained π_θ (detached),
+
+    KL_i = Σ_t m_t (log π_behav − log π_θ) / max(Σ_t m_t, 1)      (k1, sequence mean)
+    keep_i = (A_i ≥ 0) or (KL_i ≤ δ)
+
+and the sequence's weight is multiplied by keep_i.
+
+How the weight enters the loss (``losses.policy_loss``): it multiplies the clipped policy term
+per token, as TRL does; KL and entropy terms are not reweighted, and dropped tokens still count
+in the loss denominator (TRL, AReaL). For ``ppo_decoupled`` the decoupled behaviour weight
+π_prox / π_behav already is the importance weight towards the behaviour policy (with
+``proximal: recompute`` and fresh samples it is exactly TRL's token ratio π_old / π_behav), so
+multiplying a second ratio would count the correction twice. There the correction only
+*masks*: the tokens / sequences a ``*_mask`` mode or δ drops are removed, the behaviour
+weight is kept as the one weight (bounded by ``behav_weight_cap``), and ``*_truncate`` modes
+are refused (bound the behaviour weight with ``behav_weight_cap`` instead). In stale mode the
+ratio also holds the drift of d policy versions, so the masks drop sequences the current
+policy has moved too far from, as DeepSeek's off-policy masking intends.
+
+Metrics (``MismatchMetrics``, over counted tokens, mergeable like ``LossMetrics``):
+``logprob_abs_diff_mean / max`` of |log π_trainer − log π_behav|, ``kl_k3`` the token mean of
+Schulman's k3 estimate of KL(π_behav ‖ π_trainer), ``seq_ratio_max`` the largest sequence ratio
+exp(Σ_t δ_t) (before bounding), ``masked_fraction`` the counted tokens the correction dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Literal, get_args
+
+import torch
+
+from megatron_rl.algorithms.kl import kl_estimate
+
+CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
+AlarmAction = Literal["warn", "stop"]
+ALARM_ACTIONS: tuple[str, ...] = get_args(AlarmAction)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCorrection:
+    """Rollout importance-sampling correction (TRL semantics) and off-policy masking."""
+
+    mode: CorrectionMode = "none"  # see the module docstring; TRL's default is sequence_mask
+    c_min: float | None = None  # lower bound C_min of the ratio; None = unbounded
+    c_max: float | None = 3.0  # upper bound C_max of the ratio; None = unbounded
+    delta: float | None = None  # off-policy sequence masking threshold δ; None = off
+
+    def __post_init__(self) -> None:
+        if self.mode not in CORRECTION_MODES:
+            raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}, got {self.mode!r}")
+        for name in ("c_min", "c_max"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"rollout correction {name} must be > 0 or None, got {value}")
+        if self.c_min is not None and self.c_max is not None and self.c_min >= self.c_max:
+            raise ValueError(f"rollout correction c_min ({self.c_min}) must be < c_max ({self.c_max})")
+        if self.mode.endswith("_truncate") and self.c_min is None and self.c_max is None:
+            raise ValueError(f"rollout correction mode {self.mode!r} needs c_min or c_max")
+        if self.delta is not None and not self.delta >= 0:
+            raise ValueError(f"rollout correction delta must be >= 0 or None, got {self.delta}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MismatchMetrics:
+    """Sums and maxima over counted tokens (0-dim detached tensors); merge adds / maxes."""
+
+    n_tokens: torch.Tensor  # counted tokens measured
+    abs_diff_sum: torch.Tensor  # Σ |log π_trainer − log π_behav|
+    abs_diff_max: torch.Tensor
+    kl_k3_sum: torch.Tensor  # Σ k3 estimate of KL(π_behav ‖ π_trainer)
+    seq_ratio_max: torch.Tensor  # max over sequences of exp(Σ_t δ_t)
+    n_masked: torch.Tensor  # counted tokens whose weight the correction set to 0
+
+    SUM_FIELDS = ("n_tokens", "abs_diff_sum", "kl_k3_sum", "n_masked")
+    MAX_FIELDS = ("abs_diff_max", "seq_ratio_max")
+
+    def merge(self, other: MismatchMetrics) -> MismatchMetrics:
+        """Statistics of the union of both token sets."""
+        return replace(self, **{
+            f.name: (torch.maximum if f.name in self.MAX_FIELDS else torch.add)(
+                getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+        })
+
+    def to_log(self, prefix: str = "mismatch/") -> dict[str, float]:
+        """The five ``mismatch/…`` metrics as plain floats (syncs with the device)."""
+        n = max(float(self.n_tokens), 1.0)
+        out = {
+            "logprob_abs_diff_mean": float(self.abs_diff_sum) / n,
+            "logprob_abs_diff_max": float(self.abs_diff_max),
+            "kl_k3": float(self.kl_k3_sum) / n,
+            "seq_ratio_max": float(self.seq_ratio_max),
+            "masked_fraction": float(self.n_masked) / n,
+        }
+        return {prefix + k: v for k, v in out.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Correction:
+    """``weight [B, L]``: detached factor on the policy term (0 on padding and dropped tokens);
+    ``dropped [B, L]`` bool: counted tokens the mask modes or δ removed; ``metrics``."""
+
+    weight: torch.Tensor
+    dropped: torch.Tensor
+    metrics: MismatchMetrics
+
+
+def log_ratio(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """δ_t = log π_trainer − log π_behav on counted tokens, 0 elsewhere and where NaN: ``[B, L]``."""
+    diff = torch.where(mask.bool(), trainer_logp.detach() - behav_logp.detach(), 0.0)
+    return torch.nan_to_num(diff, nan=0.0)
+
+
+def importance_ratio(delta_t: torch.Tensor, mode: CorrectionMode) -> torch.Tensor:
+    """TRL's raw ratio from ``log_ratio``: ``[B, L]`` for token modes, ``[B, 1]`` for sequence modes."""
+    if mode.startswith("sequence_"):
+        return torch.exp(delta_t.sum(dim=-1, keepdim=True))
+    return torch.exp(delta_t)
+
+
+def bound_ratio(ratio: torch.Tensor, mode: CorrectionMode, c_min: float | None,
+                c_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bounded ratio, dropped) of the same shape: truncate clamps, mask zeroes outside [C_min, C_max]."""
+    if mode == "none":
+        return torch.ones_like(ratio), torch.zeros_like(ratio, dtype=torch.bool)
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=c_min, max=c_max), torch.zeros_like(ratio, dtype=torch.bool)
+    low = -math.inf if c_min is None else c_min
+    high = math.inf if c_max is None else c_max
+    outside = (ratio < low) | (ratio > high)
+    return ratio.masked_fill(outside, 0.0), outside
+
+
+def off_policy_keep(advantages: torch.Tensor, logp: torch.Tensor, behav_logp: torch.Tensor,
+                    mask: torch.Tensor, delta: float) -> torch.Tensor:
+    """DeepSeek-V3.2 off-policy sequence mask, ``[B]`` bool (True = keep); formula in the module doc.
+
+    ``logp [B, L]``: the policy being trained (detached here), ``behav_logp [B, L]``, ``mask [B, L]``,
+    ``advantages [B]``.
+    """
+    counted = mask.bool()
+    kl = torch.nan_to_num(behav_logp.detach() - logp.detach(), nan=0.0)
+    seq_kl = torch.where(counted, kl, 0.0).sum(dim=-1) / counted.sum(dim=-1).clamp(min=1).to(kl.dtype)
+    return (advantages >= 0) | (seq_kl <= delta)
+
+
+def rollout_correction(
+    settings: RolloutCorrection,
+    *,
+    trainer_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> Correction:
+    """The per-token correction weight, what it dropped, and the mismatch metrics.
+
+    ``trainer_logp [B, L]`` old-policy (or detached policy) log-probs, ``behav_logp [B, L]``
+    engine log-probs, ``logp [B, L]`` the policy being trained (δ-masking only; detached),
+    ``advantages [B]``, ``mask [B, L]``. Everything returned is detached.
+    """
+    with torch.no_grad():
+        counted = mask.bool()
+        delta_t = log_ratio(trainer_logp, behav_logp, mask)
+        weight, dropped = bound_ratio(importance_ratio(delta_t, settings.mode), settings.mode,
+                                      settings.c_min, settings.c_max)
+        weight, dropped = weight.expand_as(delta_t), dropped.expand_as(delta_t)
+        if settings.delta is not None:
+            keep = off_policy_keep(advantages, logp, behav_logp, mask, settings.delta)[:, None]
+            weight, dropped = weight * keep.to(weight.dtype), dropped | ~keep
+        dropped = dropped & counted
+        weight = torch.where(counted, weight, 0.0)
+        metrics = mismatch_metrics(trainer_logp, behav_logp, mask, dropped)
+    return Correction(weight=weight, dropped=dropped, metrics=metrics)
+
+
+@torch.no_grad()
+def mismatch_metrics(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+                     dropped: torch.Tensor | None = None) -> MismatchMetrics:
+    """Mismatch statistics over the counted tokens of ``mask [B, L]`` (``dropped [B, L]`` bool)."""
+    counted = mask.bool()
+    delta_t = log_ratio(trainer_logp, behav_logp, mask)
+    zero = torch.zeros((), dtype=torch.float32, device=delta_t.device)
+    k3 = kl_estimate(behav_logp.detach(), behav_logp.detach() + delta_t, "k3")  # KL(π_behav ‖ π_trainer)
+    seq_ratio = torch.exp(delta_t.sum(dim=-1))
+    has_tokens = counted.any(dim=-1)
+    return MismatchMetrics(
+        n_tokens=counted.sum().float(),
+        abs_diff_sum=delta_t.abs().sum().float(),
+        abs_diff_max=delta_t.abs().max().float() if delta_t.numel() else zero,
+        kl_k3_sum=torch.where(counted, k3, 0.0).sum().float(),
+        seq_ratio_max=torch.where(has_tokens, seq_ratio, 0.0).max().float() if has_tokens.numel() else zero,
+        n_masked=zero if dropped is None else (dropped & counted).sum().float(),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MismatchAlarm:
+    """Thresholds on the ``mismatch/…`` metrics of an optimizer step; None = not checked."""
+
+    logprob_abs_diff_mean: float | None = None
+    logprob_abs_diff_max: float | None = None
+    kl_k3: float | None = None
+    seq_ratio_max: float | None = None
+    masked_fraction: float | None = None
+    action: AlarmAction = "warn"  # warn: log and step; stop: raise before the optimizer step
+
+    def __post_init__(self) -> None:
+        if self.action not in ALARM_ACTIONS:
+            raise ValueError(f"mismatch_alarm action must be one of {ALARM_ACTIONS}, got {self.action!r}")
+        for name, value in self.thresholds().items():
+            if value is not None and not value >= 0:
+                raise ValueError(f"mismatch_alarm {name} must be >= 0 or None, got {value}")
+
+    def thresholds(self) -> dict[str, float | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "action"}
+
+
+LIKELY_CAUSES = (
+    "engine dtype lower than the trainer's (bf16 engine vs fp32 trainer: rollout.vllm dtype / "
+    "model.dtype); top_p < 1 (behaviour log-probs are after top-p, the trainer's are not); "
+    "a different attention / matmul kernel in the engine; engine weights not synced to the "
+    "trainer's version (weight sync failed or skipped); temperature differs between "
+    "rollout.sampling.temperature and algorithm.temperature"
+)
+
+
+class MismatchAlarmError(RuntimeError):
+    """The training–inference mismatch exceeded ``algorithm.mismatch_alarm`` with action ``stop``."""
+
+
+def alarm_verdict(alarm: MismatchAlarm | None, metrics: MismatchMetrics | None) -> str | None:
+    """A message naming every metric above its threshold, or None when all are within (pure)."""
+    if alarm is None or metrics is None or float(metrics.n_tokens) <= 0:
+        return None
+    values = metrics.to_log(prefix="")
+    over = [f"mismatch/{name} = {values[name]:.6g} > {limit:.6g}"
+            for name, limit in alarm.thresholds().items()
+            if limit is not None and not values[name] <= limit]  # NaN counts as over
+    if not over:
+        return None
+    return ("training–inference mismatch above algorithm.mismatch_alarm: " + "; ".join(over)
+            + ". Likely causes: " + LIKELY_CAUSES + ".")
