@@ -82,6 +82,30 @@ class KLConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionConfig:
+    """Engine vs trainer log-prob correction, TRL's vllm_importance_sampling_* (algorithms/correction.py)."""
+
+    # none | token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's default);
+    # ppo_decoupled takes none or a *_mask mode (its behaviour weight is the importance weight)
+    mode: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "sequence_mask"
+    c_min: float | None = None  # lower bound C_min of the ratio π_trainer/π_behav; None = unbounded
+    c_max: float | None = 3.0  # upper bound C_max of the ratio; None = unbounded
+    delta: float | None = None  # DeepSeek-V3.2 off-policy masking: drop A<0 sequences with KL > delta
+
+
+@dataclass(frozen=True, kw_only=True)
+class MismatchAlarmConfig:
+    """Gate on each optimizer step's mismatch/... metrics; a None threshold is not checked."""
+
+    logprob_abs_diff_mean: float | None = None  # mean |log π_trainer − log π_behav|
+    logprob_abs_diff_max: float | None = None  # max of the same
+    kl_k3: float | None = 0.05  # token mean of k3 KL(π_behav ‖ π_trainer)
+    seq_ratio_max: float | None = None  # largest sequence ratio exp(Σ log π_trainer/π_behav)
+    masked_fraction: float | None = None  # fraction of tokens the correction dropped
+    action: Literal["warn", "stop"] = "warn"  # warn: log and step; stop: raise before the step
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The policy-gradient objective."""
 
@@ -94,6 +118,8 @@ class AlgorithmConfig:
         "recompute"  # decoupled PPO proximal policy (A-3PO = loglinear)
     )
     behav_weight_cap: float | None = None  # decoupled PPO: cap on π_prox/π_behav; None = no cap
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # engine mismatch
+    mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)  # engine mismatch gate
     kl: KLConfig = field(default_factory=KLConfig)  # KL-to-reference penalty
     entropy_coef: float = 0.0  # entropy bonus weight
     temperature: float = 1.0  # log-prob temperature; must equal rollout.sampling.temperature
@@ -120,6 +146,11 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # TP size inside each engine
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
     weight_sync: Literal["snapshot", "broadcast"] = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
+    sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
+    # A worker with work in flight that sends nothing for this long is hung: killed, restarted,
+    # its requests re-issued. Must exceed the slowest request (and weight load).
+    request_timeout_s: float = 600.0
+    max_restarts: int = 3  # worker failures (deaths, hangs) tolerated per engine call; then an error
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
     vllm: dict[str, Any] = field(default_factory=dict)  # pass-through vLLM engine kwargs
 
@@ -178,6 +209,8 @@ class RewardConfig:
     """Reward function applied to each finished response."""
 
     fn: str = "math_verify"  # builtin name or dotted path "pkg.mod:function"
+    # A call running longer scores 0 (counted); so do calls that raise or return a non-number.
+    timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import itertools
 import json
 import re
@@ -37,11 +38,12 @@ POSITIVE = (
     "trainer.prompts_per_batch", "trainer.mini_batches", "trainer.lr", "algorithm.advantage.eps",
     "algorithm.temperature", "algorithm.behav_weight_cap", "control.sagc.eta",
     "control.sagc.lambda_max", "control.sagc.prior_alpha", "control.sagc.prior_beta",
+    "rollout.request_timeout_s", "reward.timeout_s",
 )
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
     "algorithm.overlong.buffer", "algorithm.overlong.penalty", "algorithm.kl.coef",
-    "algorithm.entropy_coef",
+    "algorithm.entropy_coef", "rollout.max_restarts",
 )
 # TransformerConfig fields built from the HF config.json by models/.
 HF_OWNED = (
@@ -59,9 +61,16 @@ MEGATRON_OWNED = {
     **dict.fromkeys(HF_OWNED, "model.hf_path's config.json"),
 }
 
+MISMATCH_POSITIVE = ("algorithm.rollout_correction.c_min", "algorithm.rollout_correction.c_max")
+MISMATCH_NON_NEGATIVE = (
+    "algorithm.rollout_correction.delta", "algorithm.mismatch_alarm.logprob_abs_diff_mean",
+    "algorithm.mismatch_alarm.logprob_abs_diff_max", "algorithm.mismatch_alarm.kl_k3",
+    "algorithm.mismatch_alarm.seq_ratio_max", "algorithm.mismatch_alarm.masked_fraction",
+)
+
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **dict.fromkeys(POSITIVE, (lambda v: v > 0, "must be > 0")),
-    **dict.fromkeys(NON_NEGATIVE, (lambda v: v >= 0, "must be >= 0")),
+    **dict.fromkeys(POSITIVE + MISMATCH_POSITIVE, (lambda v: v > 0, "must be > 0")),
+    **dict.fromkeys(NON_NEGATIVE + MISMATCH_NON_NEGATIVE, (lambda v: v >= 0, "must be >= 0")),
     "rollout.sampling.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "trainer.adam_beta1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "trainer.adam_beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
@@ -166,6 +175,22 @@ def check_clip(cfg: Config) -> Found:
         yield "algorithm.clip.high", f"must be >= algorithm.clip.low ({low}), got {high!r}"
 
 
+def check_rollout_correction(cfg: Config) -> Found:
+    """c_min < c_max; truncation needs a bound; ppo_decoupled takes no second (truncated) weight."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    if rc.c_min is not None and rc.c_max is not None and not rc.c_min < rc.c_max:
+        yield f"{key}.c_min", f"must be < {key}.c_max ({rc.c_max}), got {rc.c_min!r}"
+    if rc.mode.endswith("_truncate") and rc.c_min is None and rc.c_max is None:
+        yield f"{key}.mode", f"{rc.mode!r} needs c_min or c_max; set one, or use mode 'none'"
+    if rc.mode.endswith("_truncate") and cfg.algorithm.loss == "ppo_decoupled":
+        yield (
+            f"{key}.mode",
+            f"{rc.mode!r} with algorithm.loss 'ppo_decoupled' would weight twice (the behaviour weight "
+            "π_prox/π_behav is the importance weight); use 'token_mask', 'sequence_mask' or 'none', and "
+            "algorithm.behav_weight_cap to bound the behaviour weight",
+        )
+
+
 def check_overlong(cfg: Config) -> Found:
     """The overlong penalty ramp must fit inside the response length."""
     ov, max_new = cfg.algorithm.overlong, cfg.rollout.sampling.max_new_tokens
@@ -260,6 +285,18 @@ def check_rollout_devices(cfg: Config) -> Found:
         yield "rollout.devices", f"lists {len(r.devices)} devices but {product} = {need}; list {need} or none"
 
 
+def check_sync_address(cfg: Config) -> Found:
+    """The weight-sync listeners bind to one IP address of this machine, never all interfaces."""
+    text = cfg.rollout.sync_address
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        yield "rollout.sync_address", f"{text!r} is not an IP address; use e.g. 127.0.0.1 (loopback, one node)"
+        return
+    if address.is_unspecified:
+        yield "rollout.sync_address", f"{text!r} would listen on every interface; give one address, e.g. 127.0.0.1"
+
+
 def check_sources(cfg: Config) -> Found:
     """Forms of data.source and reward.fn (existence is checked by data/ and rewards/)."""
     src = cfg.data.source
@@ -294,6 +331,7 @@ def megatron_field_names() -> frozenset[str]:
 CROSS_FIELD_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_staleness,
     check_clip,
+    check_rollout_correction,
     check_overlong,
     check_control,
     check_batch_split,
@@ -302,6 +340,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_temperature,
     check_checkpointing,
     check_rollout_devices,
+    check_sync_address,
     check_sources,
     check_megatron_passthrough,
 )

@@ -9,8 +9,9 @@ fallback), weight sync from the trainer, version bookkeeping, supervision of wor
 """
 
 from megatron_rl.rollout.engine import build_engine
-from megatron_rl.rollout.pool import RolloutWorkerError, WorkerPool, WorkerStatus
+from megatron_rl.rollout.pool import WorkerPool
 from megatron_rl.rollout.settings import DeviceAssignment, EngineSettings, parse_device
+from megatron_rl.rollout.supervision import RolloutWorkerError, WorkerStatus
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine, SamplingSettings
 
 __all__ = [

@@ -6,11 +6,18 @@ touches the trainer's torch.distributed world: gloo on CPU, NCCL on CUDA, HCCL o
 Tensors go one by one in a fixed order announced beforehand (``TensorSpec``), so no rank
 holds more than the tensor in flight besides its model. This is the device path of DESIGN
 §5; the snapshot path (``update_weights(snapshot_dir)``) needs no group at all.
+
+Listeners bind to ``GroupAddress.host`` only (``rollout.sync_address``, loopback by default):
+the trainer binds the store's socket itself (``open_listener``; TCPStore alone would listen on
+every interface) and gloo's pair sockets are bound to the same address. NCCL / HCCL open their
+own bootstrap sockets: restrict them with ``NCCL_SOCKET_IFNAME`` / ``HCCL_IF_IP``. Every wait
+is bounded by ``GroupAddress.timeout_s``.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -44,13 +51,34 @@ class TensorSpec:
         return TensorSpec(name, tuple(tensor.shape), str(tensor.dtype))
 
 
-def make_group(address: GroupAddress, rank: int):
-    """Join the sync group at ``address`` as ``rank`` (blocks until every member has joined)."""
+def open_listener(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` and a free port, for rank 0's store (``make_group``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, 0))
+        sock.listen()
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"rollout.sync_address={host!r}: cannot listen there ({err}); "
+                         "give an address of this machine, e.g. 127.0.0.1") from err
+    return sock
+
+
+def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | None = None):
+    """Join the sync group at ``address`` as ``rank`` (blocks until every member has joined,
+    at most ``address.timeout_s``). Rank 0 passes the socket of ``open_listener``: the store
+    then owns it."""
     timeout = datetime.timedelta(seconds=address.timeout_s)
-    store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout)
+    if rank == 0 and listener is None:
+        raise ValueError("make_group: rank 0 needs the listener socket of open_listener(address.host)")
+    store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout,
+                          master_listen_fd=listener.detach() if rank == 0 else None)
     store = dist.PrefixStore("megatron_rl/weights", store)
     if address.backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, address.world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address.host)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, address.world_size, options)
     if address.backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, address.world_size)
     if address.backend == "hccl":
@@ -60,21 +88,23 @@ def make_group(address: GroupAddress, rank: int):
     raise ValueError(f"sync group backend {address.backend!r}: expected one of {sorted(GROUP_BACKENDS.values())}")
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+def _broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout_s))
 
 
-def send_tensors(group, tensors: Iterable[torch.Tensor]) -> None:
+def send_tensors(group, tensors: Iterable[torch.Tensor], *, timeout_s: float = 300.0) -> None:
     """Rank 0: broadcast ``tensors`` in order (the receivers know their specs)."""
     for tensor in tensors:
-        _broadcast(group, tensor.contiguous())
+        _broadcast(group, tensor.contiguous(), timeout_s)
 
 
-def receive_tensors(group, specs: Sequence[TensorSpec], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_tensors(
+    group, specs: Sequence[TensorSpec], device: torch.device, *, timeout_s: float = 300.0,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Ranks > 0: yield ``(name, tensor)`` for each spec as its broadcast arrives."""
     for spec in specs:
         tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.removeprefix("torch.")), device=device)
-        _broadcast(group, tensor)
+        _broadcast(group, tensor, timeout_s)
         yield spec.name, tensor

@@ -65,6 +65,11 @@ class EngineSettings:
     seed: int = 0  # engine-level seed; requests without a seed of their own draw from it
     max_restarts: int = 3  # restarts of dead workers tolerated per generate / update_weights call
     start_timeout_s: float = 600.0  # a worker that is not ready by then is an error
+    # A worker with work in flight that sends nothing for this long (no result, no weight-load
+    # answer) is hung: it is killed, restarted and its requests re-issued. Also bounds the
+    # broadcast group's rendezvous and each broadcast. Longer than the slowest request.
+    request_timeout_s: float = 600.0
+    sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind here only (never all interfaces)
     worker_env: Mapping[str, str] = field(default_factory=dict)  # extra env of worker processes
     vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # passed through to ``vllm.LLM``
     # How new weights reach the workers: "snapshot" (HF safetensors directory they reload) or
@@ -92,6 +97,9 @@ class EngineSettings:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
         if self.weight_sync not in ("snapshot", "broadcast"):
             raise ValueError(f"rollout.weight_sync={self.weight_sync!r} must be 'snapshot' or 'broadcast'")
+        for name in ("start_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be > 0")
         if self.max_restarts < 0:
             raise ValueError(f"rollout.max_restarts={self.max_restarts} must be >= 0")
         if self.devices and len(self.devices) != self.num_workers:

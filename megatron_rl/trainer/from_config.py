@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.algorithms import LossSettings
+from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrection
 from megatron_rl.config import Config
 from megatron_rl.control import SAGCSettings
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
@@ -31,6 +31,9 @@ def loss_settings(cfg: Config) -> LossSettings:
         proximal=a.proximal,
         behav_weight_cap=a.behav_weight_cap,
         max_response_len=cfg.rollout.sampling.max_new_tokens,
+        correction=RolloutCorrection(mode=a.rollout_correction.mode, c_min=a.rollout_correction.c_min,
+                                     c_max=a.rollout_correction.c_max, delta=a.rollout_correction.delta),
+        mismatch_alarm=MismatchAlarm(**vars(a.mismatch_alarm)),
     )
 
 
@@ -73,6 +76,9 @@ def engine_settings(cfg: Config, *, model_path: str | None = None) -> EngineSett
         dtype=cfg.model.dtype,
         max_batch_size=r.max_batch_size,
         weight_sync=r.weight_sync,
+        sync_address=r.sync_address,
+        request_timeout_s=r.request_timeout_s,
+        max_restarts=r.max_restarts,
         seed=r.sampling.seed,
         vllm_kwargs=dict(r.vllm),
     )
@@ -96,18 +102,14 @@ def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
 
 
 def group_scoring(cfg: Config) -> GroupScoring:
-    a = cfg.algorithm
-    if a.advantage.scale == "batch":
-        raise ValueError(
-            "algorithm.advantage.scale: 'batch' needs the whole batch before the first group can "
-            "train, which defeats periodic asynchrony; use 'group' or 'none'"
-        )
+    a = cfg.algorithm  # advantage.scale 'batch' is refused by config validation
     overlong = None
     if a.overlong.enabled:
         overlong = OverlongShaping(
             max_len=cfg.rollout.sampling.max_new_tokens, buffer=a.overlong.buffer, penalty=a.overlong.penalty
         )
-    return GroupScoring(advantage_scale=a.advantage.scale, dynamic_sampling=a.dynamic_sampling, overlong=overlong)
+    return GroupScoring(advantage_scale=a.advantage.scale, dynamic_sampling=a.dynamic_sampling, overlong=overlong,
+                        eps=a.advantage.eps)
 
 
 def pipeline_settings(cfg: Config) -> PipelineSettings:
