@@ -90,4 +90,5 @@ def test_inverse_cdf_sampling_frequencies(temperature, top_p):
     target = [p[i] / sum(p[j] for j in kept) if i in kept else 0.0 for i in range(5)]
     freq = torch.bincount(tokens, minlength=5).double() / n
     torch.testing.assert_close(freq, torch.tensor(target, dtype=torch.float64), rtol=0, atol=1e-3)
-    torch.testing.assert_close(lps, torch.log(torch.tensor(p, dtype=torch.float32))[tokens], rtol=0, atol=1e-5)
+    # behaviour log-probs are those of the distribution sampled from (top-p renormalised)
+    torch.testing.assert_close(lps, torch.log(torch.tensor(target, dtype=torch.float32))[tokens], rtol=0, atol=1e-5)

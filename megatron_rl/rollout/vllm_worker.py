@@ -11,10 +11,10 @@ the installed package). Choices, all for vLLM 0.32:
   as in the ``hf`` engine; the checkpoint's generation config is not applied.
 - ``logprobs_mode="processed_logprobs"`` with ``logprobs=0``: vLLM's sampler then reports
   ``log_softmax`` of the logits after temperature (and after top-p truncation) for the sampled
-  token; for greedy requests the plain ``log_softmax(logits)``. With ``top_p == 1`` that is the
-  ``hf`` convention and the trainer's ``log_softmax(logits / T)``; with ``top_p < 1`` it is the
-  log-prob under the truncated, renormalised distribution that was actually sampled.
-  (``raw_logprobs``, vLLM's default, ignores the temperature.)
+  token; for greedy requests the plain ``log_softmax(logits)``: the log-prob under the
+  distribution that was actually sampled (truncated to top-p and renormalised), the ``hf``
+  engine's convention (``rollout/sampling.py``). With ``top_p == 1`` that is the trainer's
+  ``log_softmax(logits / T)``. (``raw_logprobs``, vLLM's default, ignores the temperature.)
 - Weight sync: ``collective_rpc("reload_weights", weights_path=snapshot_dir)`` reloads the
   safetensors in place, then ``reset_prefix_cache()`` drops KV blocks computed with the old
   weights.
