@@ -87,6 +87,10 @@ class PolicyTrainer:
             return MiniBatchResult(grad_norm=0.0, denominator=0.0, loss=0.0, metrics={}, skipped=True)
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.trainer.mismatch_gate import check_mismatch
+
+        # algorithm.mismatch_alarm: one verdict on every rank; action "stop" raises before the step.
+        check_mismatch(self.loss.mismatch_alarm, self._metrics.mismatch if self._metrics is not None else None)
         # megatron's DDP averages over DP ranks (scales by 1/dp before its reduce-sum); the batch
         # gradient is the plain sum of the ranks' numerator gradients, hence dp / D.
         self.ddp.scale_gradients(ps.get_data_parallel_world_size() / denominator)
