@@ -3,18 +3,29 @@ run state (step, group-size controller, prompt stream, config) — enough to res
 
 Layout of ``<save_dir>/step_N``::
 
-    model/            HF checkpoint of the policy (loadable by transformers, vLLM, the trainer)
-    optimizer/rank_R.pt
+    model/              HF checkpoint of the policy (loadable by transformers, vLLM, the trainer)
+    optimizer/rank_R.pt this rank's optimizer state: plain containers of tensors and scalars
     trainer_state.json  {"step", "controller", "prompt_stream", "config"}
+    manifest.json       {"format", "files": {relative path: {"size", "sha256"}}}, written last
 
-Written into ``step_N.tmp`` and renamed when complete: an interrupted save leaves no
-directory that looks like a checkpoint.
+Contract:
+- Written into ``step_N.tmp`` and renamed when complete: an interrupted save leaves no
+  directory that looks like a checkpoint. Every file is fsynced before the manifest is
+  written, the manifest before the rename.
+- Safe loading only: the optimizer state is checked at save time to hold nothing but dicts,
+  lists, tuples, strings, numbers, booleans, None and tensors (``CheckpointError`` naming the
+  key otherwise), so it loads with ``torch.load(weights_only=True)``, which runs no pickled
+  code. Weights are safetensors.
+- ``load_run_state`` verifies the manifest first: a missing, truncated or corrupted file
+  raises ``CheckpointError`` (a ``ValueError``) naming the file, before anything is loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +35,14 @@ import torch
 import torch.distributed as dist
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = 1
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+_BLOCK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or loaded; the message names the file or key."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,34 +61,134 @@ def staging_dir(path: str | Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def save_optimizer(optimizer, staging: Path) -> None:
-    """This rank's optimizer state into ``staging/optimizer/rank_R.pt``."""
+    """This rank's optimizer state into ``staging/optimizer/rank_R.pt`` (plain; see module doc)."""
+    state = optimizer.state_dict()
+    check_plain(state, "optimizer.state_dict()")
     (staging / "optimizer").mkdir(parents=True, exist_ok=True)
-    torch.save(optimizer.state_dict(), staging / "optimizer" / f"rank_{dist.get_rank()}.pt")
+    torch.save(state, staging / "optimizer" / f"rank_{_rank()}.pt")
+
+
+def check_plain(tree: Any, where: str) -> None:
+    """Raise ``CheckpointError`` naming the first value ``torch.load(weights_only=True)`` would
+    refuse (anything but containers, strings, numbers, booleans, None and tensors)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if not isinstance(key, str | int):
+                raise CheckpointError(f"{where}: key {key!r} of type {type(key).__name__} cannot be saved safely")
+            check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(tree, list | tuple):
+        for i, value in enumerate(tree):
+            check_plain(value, f"{where}[{i}]")
+    elif not isinstance(tree, _PLAIN):
+        raise CheckpointError(f"{where}: a {type(tree).__name__} cannot be saved for safe loading "
+                              "(weights_only); convert it to tensors or plain values")
 
 
 def finalize(staging: Path, state: RunState) -> Path:
-    """Leader: write the run state and rename the staging directory into place."""
+    """Leader, once every rank's files are written: the run state, then the manifest, then
+    the rename into place."""
     (staging / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, default=str))
+    write_manifest(staging)
     final = staging.with_name(staging.name.removesuffix(".tmp"))
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
+    _fsync_dir(final.parent)
     return final
 
 
+def write_manifest(directory: Path) -> None:
+    """Size and sha256 of every file under ``directory`` (fsynced) into ``manifest.json``."""
+    files = {}
+    for file in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        files[file.relative_to(directory).as_posix()] = {"size": file.stat().st_size, "sha256": _sha256(file, True)}
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    with tmp.open("w") as f:
+        json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check every file the manifest lists: present, same size, same sha256."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is truncated or altered: "
+                                  f"{size} bytes, the manifest says {entry['size']}")
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is corrupted (sha256 differs "
+                                  "from the manifest)")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r}: no {MANIFEST_FILE} (an incomplete save, or written by an "
+                              "older version: refused, its integrity cannot be checked)")
+    bad = CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_FILE} is unreadable or corrupted")
+    try:
+        manifest = json.loads(file.read_text())
+    except ValueError as err:  # JSON or UTF-8 decoding
+        raise bad from err
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT or not all(
+        isinstance(e, dict) and {"size", "sha256"} <= set(e) for e in files.values()
+    ):
+        raise bad
+    return manifest
+
+
 def load_run_state(path: str | Path) -> RunState:
-    """Read ``trainer_state.json`` of a checkpoint; ``ValueError`` naming the path if it is not one."""
+    """Verify the checkpoint (manifest), then read its ``trainer_state.json``;
+    ``CheckpointError`` naming the path or file if it is not a complete, intact checkpoint."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
-        raise ValueError(f"trainer.resume_from={str(path)!r}: no {STATE_FILE} there (not a complete checkpoint)")
-    return RunState(**json.loads(file.read_text()))
+        raise CheckpointError(f"trainer.resume_from={str(path)!r}: no {STATE_FILE} there (not a complete checkpoint)")
+    verify_checkpoint(path)
+    try:
+        return RunState(**json.loads(file.read_text()))
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not a run state ({err})") from err
 
 
 def load_optimizer(optimizer, path: str | Path) -> None:
-    """Restore this rank's optimizer state from a checkpoint."""
-    file = Path(path) / "optimizer" / f"rank_{dist.get_rank()}.pt"
+    """Restore this rank's optimizer state from a checkpoint (``weights_only`` loading)."""
+    file = Path(path) / "optimizer" / f"rank_{_rank()}.pt"
     if not file.is_file():
-        raise ValueError(f"trainer.resume_from={str(path)!r}: missing {file.name} for rank {dist.get_rank()} "
-                         "(was it saved with a different world size?)")
-    optimizer.load_state_dict(torch.load(file, weights_only=False))
+        raise CheckpointError(f"trainer.resume_from={str(path)!r}: missing {file.name} for rank {_rank()} "
+                              "(was it saved with a different world size?)")
+    try:
+        state = torch.load(file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:  # refused or unreadable
+        raise CheckpointError(f"checkpoint file {file} cannot be loaded safely: {err}") from err
+    optimizer.load_state_dict(state)
+
+
+def _sha256(file: Path, fsync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
