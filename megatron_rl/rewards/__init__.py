@@ -2,7 +2,8 @@
 
 Contract: `RewardFn` in `base.py`; the answer format is the last `\\boxed{...}` of the response
 (`extract_boxed`). Build one with `load_reward_fn("math_verify" | "exact_match" |
-"reasoning_gym" | "package.module:function")`.
+"reasoning_gym" | "package.module:function")`; training wraps it with `load_guarded_reward(spec, timeout_s=...)`
+(`GuardedReward`: failures score 0 and are counted in `RewardStats`).
 """
 
 from megatron_rl.rewards.base import RewardFn, extract_boxed
@@ -14,14 +15,19 @@ from megatron_rl.rewards.builtin import (
     normalize_answer,
     reasoning_gym_reward,
 )
-from megatron_rl.rewards.loader import load_reward_fn
+from megatron_rl.rewards.guard import FAILURE_KINDS, GuardedReward, RewardStats
+from megatron_rl.rewards.loader import load_guarded_reward, load_reward_fn
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "FAILURE_KINDS",
+    "GuardedReward",
     "RewardFn",
+    "RewardStats",
     "exact_match_reward",
     "last_number_reward",
     "extract_boxed",
+    "load_guarded_reward",
     "load_reward_fn",
     "math_verify_reward",
     "normalize_answer",

@@ -4,6 +4,10 @@ The object at a dotted path must itself be the reward function (a function or a 
 instance taking `(record, response_text)`); it is checked against the `RewardFn` protocol and
 its signature before any rollout starts. A class is refused: instantiate it at module level
 and point the spec at the instance.
+
+Training loads its reward with `load_guarded_reward`: the same function wrapped in a
+`GuardedReward` (`guard.py`), so a call that raises, times out or returns a non-number / NaN
+scores 0, is counted, and never stops training.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import inspect
 
 from megatron_rl.rewards.base import RewardFn
 from megatron_rl.rewards.builtin import BUILTIN_REWARDS
+from megatron_rl.rewards.guard import GuardedReward
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -39,3 +44,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     except TypeError as err:
         raise ValueError(f"reward fn {spec!r} cannot be called as fn(record, response_text): {err}") from err
     return fn
+
+
+def load_guarded_reward(spec: str, *, timeout_s: float | None) -> GuardedReward:
+    """`load_reward_fn(spec)` wrapped in a `GuardedReward` with time limit `timeout_s`
+    (reward.timeout_s); its `stats()` counts the failures."""
+    return GuardedReward(load_reward_fn(spec), timeout_s=timeout_s, name=spec)
