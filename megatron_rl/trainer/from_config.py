@@ -12,6 +12,7 @@ from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrectio
 from megatron_rl.config import Config
 from megatron_rl.control import SAGCSettings
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
+from megatron_rl.rewards import GuardedReward, load_guarded_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings
 from megatron_rl.trainer.build import TrainerSettings
 from megatron_rl.trainer.optim import OptimSettings
@@ -99,6 +100,12 @@ def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
         max_new_tokens=s.max_new_tokens,
         stop_token_ids=tuple(dict.fromkeys(stop_ids)),
     )
+
+
+def reward_fn(cfg: Config) -> GuardedReward:
+    """The reward function of ``reward.fn``, guarded: a call that raises, exceeds
+    ``reward.timeout_s`` or returns a non-number scores 0 and is counted (``.stats()``)."""
+    return load_guarded_reward(cfg.reward.fn, timeout_s=cfg.reward.timeout_s)
 
 
 def group_scoring(cfg: Config) -> GroupScoring:
