@@ -200,8 +200,9 @@ class DataConfig:
     answer_key: str = "answer"  # record field holding the reference answer
     size: int = 1000  # number of prompts (generated for reasoning_gym, truncated for files)
     seed: int = 0  # dataset generation / shuffling seed
-    max_prompt_tokens: int = 512  # longer prompts are dropped
+    max_prompt_tokens: int = 512  # longer prompts are dropped (counted, never truncated)
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+    skip_bad_rows: bool = True  # skip (and count) malformed file rows; false: the first one is an error
 
 
 @dataclass(frozen=True, kw_only=True)

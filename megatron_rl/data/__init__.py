@@ -8,11 +8,13 @@
 
 Modules: `records` (PromptRecord, ChatMessage, TokenizedPrompt), `sources` (reasoning_gym,
 .jsonl, .parquet), `tokenization` (answer instruction, chat template, length limit),
+`prompts` (`load_prompts`: both steps, with a `DataReport` of what was skipped and why),
 `stream` (PromptStream).
 """
 
+from megatron_rl.data.prompts import DataReport, load_prompts
 from megatron_rl.data.records import ChatMessage, PromptRecord, TokenizedPrompt
-from megatron_rl.data.sources import load_records, reasoning_gym_records, record_from_row
+from megatron_rl.data.sources import SourceRecords, load_records, read_records, reasoning_gym_records, record_from_row
 from megatron_rl.data.stream import PromptStream
 from megatron_rl.data.tokenization import (
     ANSWER_INSTRUCTION,
@@ -25,11 +27,15 @@ from megatron_rl.data.tokenization import (
 __all__ = [
     "ANSWER_INSTRUCTION",
     "ChatMessage",
+    "DataReport",
     "PromptRecord",
     "PromptStream",
+    "SourceRecords",
     "TokenizedPrompt",
     "TokenizedRecords",
+    "load_prompts",
     "load_records",
+    "read_records",
     "reasoning_gym_records",
     "record_from_row",
     "render_chat",

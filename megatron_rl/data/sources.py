@@ -11,8 +11,11 @@ Contract:
 - Files hold one object per row. The `prompt_key` field is a string (a plain prompt) or a
   list of {"role", "content"} objects (a chat); the `answer_key` field is a string or a
   number (converted with `str`). Every other field goes to `metadata`. Rows past `size` are
-  ignored. Mistakes raise ValueError starting "<path>:<line>" (jsonl, 1-based, blank lines
-  skipped but counted) or "<path> row <n>" (parquet, 0-based) and naming the key.
+  ignored. A malformed row raises ValueError starting "<path>:<line>" (jsonl, 1-based, blank
+  lines skipped but counted) or "<path> row <n>" (parquet, 0-based) and naming the key; with
+  `skip_bad_rows=True` it is skipped instead, its message kept in `SourceRecords.bad_rows`
+  (and the count logged). A missing file, a file without rows, or one whose rows are all
+  malformed raise ValueError naming the file.
 - `prompt_id` is "<name>:<seed>:<index>" for reasoning_gym and "<file name>:<line or row>"
   for files.
 """
@@ -21,14 +24,26 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import numbers
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.data.records import ChatMessage, PromptRecord
 
+logger = logging.getLogger(__name__)
+
 REASONING_GYM_PREFIX = "reasoning_gym:"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceRecords:
+    """The records of one source and the malformed rows skipped on the way."""
+
+    records: list[PromptRecord]
+    bad_rows: list[str]  # "<path>:<line>: <what is wrong>" per skipped row (skip_bad_rows only)
 
 
 def load_records(
@@ -36,25 +51,52 @@ def load_records(
     size: int | None = None, seed: int = 0,
 ) -> list[PromptRecord]:
     """Records of `source` (see module doc); `size` is required for reasoning_gym."""
+    return read_records(source, prompt_key=prompt_key, answer_key=answer_key, size=size, seed=seed).records
+
+
+def read_records(
+    source: str, *, prompt_key: str = "question", answer_key: str = "answer",
+    size: int | None = None, seed: int = 0, skip_bad_rows: bool = False,
+) -> SourceRecords:
+    """`load_records`, optionally skipping (and reporting) malformed rows instead of raising."""
     if size is not None and size <= 0:
         raise ValueError(f"size must be positive, got {size}")
     if source.startswith(REASONING_GYM_PREFIX):
-        return reasoning_gym_records(source.removeprefix(REASONING_GYM_PREFIX), size=size, seed=seed)
+        name = source.removeprefix(REASONING_GYM_PREFIX)
+        return SourceRecords(records=reasoning_gym_records(name, size=size, seed=seed), bad_rows=[])
     path = Path(source)
     if path.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"data source must be 'reasoning_gym:<name>', a .jsonl or a .parquet file, "
                          f"got {source!r}")
     if not path.is_file():
         raise ValueError(f"data source {source!r}: no such file")
+    out = _file_records(path, prompt_key, answer_key, size, skip_bad_rows)
+    if not out.records:
+        what = f"all {len(out.bad_rows)} rows are malformed (first: {out.bad_rows[0]})" if out.bad_rows else "no rows"
+        raise ValueError(f"data source {source!r}: {what}")
+    if out.bad_rows:
+        logger.warning("data source %s: skipped %d malformed rows (first: %s)", source, len(out.bad_rows),
+                       out.bad_rows[0])
+    return out
+
+
+def _file_records(path: Path, prompt_key: str, answer_key: str, size: int | None, skip: bool) -> SourceRecords:
     rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
-    records = []
+    records, bad = [], []
     for n, row in rows:
         if size is not None and len(records) == size:
             break
         where = f"{path}:{n}" if path.suffix == ".jsonl" else f"{path} row {n}"
-        records.append(record_from_row(row, prompt_id=f"{path.name}:{n}", where=where,
-                                       prompt_key=prompt_key, answer_key=answer_key))
-    return records
+        try:
+            if isinstance(row, ValueError):
+                raise row
+            records.append(record_from_row(row, prompt_id=f"{path.name}:{n}", where=where,
+                                           prompt_key=prompt_key, answer_key=answer_key))
+        except ValueError as err:  # one malformed row: its message names file, line and key
+            if not skip:
+                raise
+            bad.append(str(err))
+    return SourceRecords(records=records, bad_rows=bad)
 
 
 def reasoning_gym_records(name: str, *, size: int | None, seed: int) -> list[PromptRecord]:
@@ -88,8 +130,11 @@ def record_from_row(
     metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
     if isinstance(prompt, str):
         return PromptRecord(prompt_id=prompt_id, text=prompt, answer=str(answer), metadata=metadata)
-    return PromptRecord(prompt_id=prompt_id, messages=_messages(prompt, where, prompt_key),
-                        answer=str(answer), metadata=metadata)
+    messages = _messages(prompt, where, prompt_key)
+    try:
+        return PromptRecord(prompt_id=prompt_id, messages=messages, answer=str(answer), metadata=metadata)
+    except ValueError as err:  # e.g. an empty chat, or one not ending with a user turn
+        raise ValueError(f"{where}: prompt {prompt_key!r}: {err}") from err
 
 
 def _messages(value: Any, where: str, key: str) -> tuple[ChatMessage, ...]:
@@ -103,18 +148,23 @@ def _messages(value: Any, where: str, key: str) -> tuple[ChatMessage, ...]:
         raise ValueError(f"{where}: prompt {key!r}: {err}") from err
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(1-based line number, object) for every non-blank line of a JSON-lines file."""
-    with path.open(encoding="utf-8") as f:
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | ValueError]]:
+    """(1-based line number, object) for every non-blank line of a JSON-lines file; a line that
+    is not a JSON object comes as a ValueError naming file and line (raised or skipped by the caller)."""
+    with path.open("rb") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: invalid JSON: {err}") from err
+                row = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                yield line_no, ValueError(f"{path}:{line_no}: not UTF-8 text: {err}")
+                continue
+            except (ValueError, RecursionError) as err:  # JSONDecodeError, a huge int, deep nesting
+                yield line_no, ValueError(f"{path}:{line_no}: invalid JSON: {err}")
+                continue
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                row = ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
             yield line_no, row
 
 
