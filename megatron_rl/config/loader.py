@@ -45,7 +45,11 @@ def load_config(
     path = Path(path)
     if not path.is_file():
         raise ConfigError([Problem(key="<file>", message=f"no such config file: {path}", where=str(path))])
-    data, origins, problems = parse_yaml(path.read_text(), source=str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([Problem(key="<file>", message=f"not UTF-8 text: {exc}", where=str(path))]) from exc
+    data, origins, problems = parse_yaml(text, source=str(path))
     return _build(data, origins, problems, overrides, hf_config=hf_config, check=True)
 
 
@@ -77,8 +81,9 @@ def save_config(cfg: Config, path: str | Path) -> None:
 def parse_yaml(text: str, *, source: str) -> tuple[Any, Origins, list[Problem]]:
     """YAML text -> (plain data, line of every key, problems such as duplicate keys)."""
     origins, problems = Origins(source=source), []
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)  # checks the characters: a ReaderError is a YAMLError too
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
@@ -86,7 +91,8 @@ def parse_yaml(text: str, *, source: str) -> tuple[Any, Origins, list[Problem]]:
         where = f"{source}:{mark.line + 1}" if mark else source
         raise ConfigError([Problem(key="<yaml>", message=f"invalid YAML: {exc}", where=where)]) from exc
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if node is not None:
         _record_lines(node, "", source, origins, problems)
     return data, origins, problems
