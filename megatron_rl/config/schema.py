@@ -144,6 +144,9 @@ class RolloutConfig:
     num_engines: int = 1  # number of engine processes
     devices: list[str] = field(default_factory=list)  # e.g. ["cuda:4", "cuda:5"]; [] = engine default
     tensor_parallel_size: int = 1  # TP size inside each engine
+    # Engine weights and compute dtype; None = model.dtype. A bf16 engine with an fp32 trainer
+    # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
+    dtype: DType | None = None
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
     weight_sync: Literal["snapshot", "broadcast"] = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
     sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
