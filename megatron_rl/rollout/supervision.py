@@ -166,8 +166,9 @@ class Supervisor:
                 yield w, None
 
     def _kill_hung(self, w: WorkerHandle, now: float) -> None:
+        unsent = f"; a command could not be written to it: {w.sender.error}" if w.sender.error else ""
         w.failure = (f"hung: no answer for {now - w.last_heard:.1f} s with requests {sorted(w.in_flight)[:8]} "
-                     f"in flight (rollout.request_timeout_s={self.request_timeout_s})")
+                     f"in flight (rollout.request_timeout_s={self.request_timeout_s}){unsent}")
         w.process.kill()
         w.process.join()
 
