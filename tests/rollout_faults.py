@@ -6,7 +6,8 @@ Faults are chosen by the worker's environment (``WorkerSpec.env``):
 
     FAULT_HANG_ON=<request id>   sleep forever when that request comes up
     FAULT_CRASH_ON=<request id>  exit the process (code 3) when that request comes up
-    FAULT_HANG_LOAD=1            sleep forever in load_weights / load_tensors
+    FAULT_HANG_LOAD=1            sleep forever in load_weights / load_tensors (after receiving)
+    FAULT_HANG_DEVICE=1          sleep forever when asked for its device (before a broadcast)
     FAULT_ONCE_DIR=<dir>         fire each fault once per run (a marker file per fault), so
                                  the restarted worker gets through; unset: fire every time
 """
@@ -56,6 +57,8 @@ class EchoBackend:
 
     @property
     def device(self) -> torch.device:
+        if os.environ.get("FAULT_HANG_DEVICE") and _fire("hang-device"):
+            time.sleep(10_000)
         return torch.device("cpu")
 
     def load_weights(self, snapshot_dir: str) -> None:

@@ -94,6 +94,24 @@ def test_worker_hung_in_a_weight_load_is_restarted_with_the_new_version(tmp_path
         pool.shutdown()
 
 
+@pytest.mark.parametrize("fault", ["FAULT_HANG_LOAD", "FAULT_HANG_DEVICE"])
+def test_worker_hung_in_a_broadcast_sync_is_restarted_and_given_the_weights(tmp_path, fault):
+    """Hung after receiving (a plain silence) or before joining the broadcast (the collective
+    fails for everyone; the peer's error is explained by the hang, and the push is repeated)."""
+    once = tmp_path / "once"
+    once.mkdir()
+    pool = _pool(tmp_path, **{fault: "1", "FAULT_ONCE_DIR": str(once)})
+    try:
+        start = time.monotonic()
+        pool.update_weights_from_tensors([("w", torch.ones(3))], version=1)
+        assert time.monotonic() - start < 3 * TIMEOUT_S + RESTART_BOUND_S
+        assert pool.weight_version == 1 and sum(s.restarts for s in pool.status()) == 1
+        reqs = _requests(6)
+        _check_exactly_once(list(pool.generate(reqs)), reqs, version=1)
+    finally:
+        pool.shutdown()
+
+
 def test_failed_collective_is_raised_with_its_cause(tmp_path, monkeypatch):
     pool = _pool(tmp_path)
     try:

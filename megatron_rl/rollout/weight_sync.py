@@ -104,11 +104,13 @@ class WeightSync:
 
     def _run_command(self, commands: dict, what: str, collective: Callable[[], None] | None = None):
         """Send each worker its command, run this process's side of ``collective``, then wait
-        until every worker has answered. Dead or hung workers are restarted and returned."""
+        until every worker has answered or failed. Dead or hung workers are restarted and
+        returned. The verdict waits for every worker: in a collective, a worker's error is
+        often a peer's hang, which only its deadline reveals (the push is then repeated)."""
         for w, command in commands.items():
             w.send(command)
         collective_error = _run_collective(collective, commands)
-        deaths, restarted, waiting = 0, [], set(commands)
+        deaths, restarted, failed, waiting = 0, [], [], set(commands)
         while waiting:
             for w, message in self._sup.next_events(list(waiting)):
                 if message is None:
@@ -120,10 +122,13 @@ class WeightSync:
                 elif isinstance(message, (Loaded, Failed)):
                     w.outstanding -= 1
                     waiting.discard(w)
-                    if isinstance(message, Failed) and not restarted:  # else: the push is repeated
-                        self._fail(f"rollout worker {w.spec.index} failed to {what}:\n{message.error}",
-                                   collective_error)
-        if collective_error is not None and not restarted:
+                    if isinstance(message, Failed):
+                        failed.append(f"rollout worker {w.spec.index} failed to {what}:\n{message.error}")
+        if restarted and collective is not None:
+            return restarted  # the group lost a member: the caller repeats the push
+        if failed:
+            self._fail(failed[0], collective_error)
+        if collective_error is not None:
             self._fail(f"{what}: the collective failed in the trainer process while every worker "
                        f"answered: {collective_error}", collective_error)
         return restarted
