@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.rollout.wrapper import EngineWrapper
+
 
 def make_tiny_rl_model(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
     """Tiny random Llama (head_dim 32, 2 KV heads: TP 1 or 2) with the char tokenizer at ``path``."""
@@ -41,14 +43,15 @@ def digit_share_reward(record, response_text: str) -> float:
     return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
 
 
-class ShuffledEngine:
+class ShuffledEngine(EngineWrapper):
     """Wraps a real engine and yields each batch's results in a seeded random order (the order in
     which a busy engine pool might finish them); records every permutation it applied."""
 
     def __init__(self, inner, seed: int = 0) -> None:
         import random
 
-        self.inner, self.rng, self.permutations = inner, random.Random(seed), []
+        super().__init__(inner)
+        self.rng, self.permutations = random.Random(seed), []
 
     def generate(self, requests):
         results = list(self.inner.generate(requests))
@@ -58,15 +61,56 @@ class ShuffledEngine:
         self.permutations.append(order)
         yield from (by_id[i] for i in order)
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
-        self.inner.update_weights(snapshot_dir, version)
 
-    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
-        self.inner.update_weights_from_tensors(named_tensors, version)
+class RecordingEngine(EngineWrapper):
+    """Wraps a real engine and keeps every result it yields (``RECORDED``, per process), so a test
+    can check the behaviour log-probs against an independent forward pass."""
 
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
+    def generate(self, requests):
+        for result in self.inner.generate(requests):
+            RECORDED.append(result)
+            yield result
 
-    def shutdown(self) -> None:
-        self.inner.shutdown()
+
+RECORDED: list = []
+
+
+def recording_factory(settings):
+    from megatron_rl.rollout import build_engine
+
+    return RecordingEngine(build_engine(settings))
+
+
+def train_recorded(config_path: str, overrides: list[str]):
+    """A rank's body: train with a recording engine; return (history, the leader's engine results)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.loop import train
+
+    history = train(load_config(config_path, overrides), platform="cpu", engine_factory=recording_factory)
+    return history, list(RECORDED)
+
+
+def teacher_forced_logprobs(model_dir, pairs) -> list[list[float]]:
+    """For each (prompt ids, response ids): log_softmax of each response token under transformers
+    (fp32, temperature 1), from the checkpoint at ``model_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    out = []
+    for prompt, response in pairs:
+        ids = torch.tensor([tuple(prompt) + tuple(response)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1).tolist())
+    return out
+
+
+def load_weights(path) -> dict:
+    """Every tensor of the safetensors files in ``path`` (a HF checkpoint directory)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out

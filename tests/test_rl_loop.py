@@ -1,42 +1,25 @@
 """End-to-end RL loop on a tiny model with the real hf engine in its own process.
 
-On-policy equivalence (DESIGN §1): with seeded sampling, ``periodic`` mode — groups trained
-as they arrive, here in a shuffled completion order — ends with the same parameters after
-3 optimizer steps as the ``sync`` loop, at TP=1 and TP=2; every sample of a batch carries
-the batch's weight version.
+On-policy equivalence (DESIGN §1): with seeded sampling, ``periodic`` mode (groups trained as the
+engine finishes them, while the others are still decoding) ends with the same weight changes
+after 3 steps as the ``sync`` loop: at TP=1, TP=2 and PP=2, for GRPO, decoupled PPO and Dr.GRPO
+with a reference model, with 2 mini-batches per batch, and with groups split across micro-batches.
+
+Nothing here trusts the code's own version labels: every behaviour log-prob the engine reported
+for batch t is checked against a transformers forward of the checkpoint written after t optimizer
+steps (θ_t), found by the step in the request id. An engine handed stale weights, or weights synced
+before the optimizer step, fails that check in both modes.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
-
-
-def _shuffled_factory(settings):
-    from megatron_rl.rollout import build_engine
-    from tests.rl_fixtures import ShuffledEngine
-
-    return ShuffledEngine(build_engine(settings), seed=11)
-
-
-def _train_worker(config_path: str, overrides: list[str]):
-    from megatron_rl.config import load_config
-    from megatron_rl.trainer.loop import train
-
-    cfg = load_config(config_path, overrides)
-    return train(cfg, platform="cpu", engine_factory=_shuffled_factory)
-
-
-def _final_weights(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
+from tests.rl_fixtures import load_weights, make_tiny_rl_model, teacher_forced_logprobs, tiny_rl_config, train_recorded
 
 
 @pytest.fixture(scope="module")
@@ -44,72 +27,150 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
     model = make_tiny_rl_model(tmp / "model")
     config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            trainer={"steps": 3, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3})
+                            data={"max_prompt_tokens": 128},
+                            trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3})
     return tmp, str(config)
 
 
 def _run(tmp, config, name, world, overrides):
     out = tmp / name
-    histories = run_distributed(_train_worker, world, config, [*overrides, f"trainer.save_dir={out}"], timeout_s=600)
-    return _final_weights(out / "step_3" / "model"), histories[0]
+    ranks = run_distributed(train_recorded, world, config, [*overrides, f"trainer.save_dir={out}",
+                                                            "trainer.save_every=1"], timeout_s=900)
+    history, results = ranks[0]
+    return out, history, results
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_periodic_equals_sync_after_three_steps(setup, tp):
+def _checkpoint(tmp, out, step):
+    """θ_step: the initial model for step 0, else the checkpoint written after `step` optimizer steps."""
+    return tmp / "model" if step == 0 else out / f"step_{step}" / "model"
+
+
+def assert_engine_sampled_from_trained_weights(tmp, out, results, *, version_of=None):
+    """Each result of batch t (from its request id) has behaviour log-probs of θ_t (or of θ_v with
+    v = version_of(result) in stale mode, after checking it lies in the allowed window)."""
+    by_ckpt = {}
+    for r in results:
+        step = int(r.request_id.split("/")[0])
+        by_ckpt.setdefault(version_of(r) if version_of else step, []).append(r)
+    for ckpt, rs in sorted(by_ckpt.items()):
+        refs = teacher_forced_logprobs(_checkpoint(tmp, out, ckpt), [(r.prompt_ids, r.response_ids) for r in rs])
+        for r, ref in zip(rs, refs, strict=True):
+            gap = (torch.tensor(r.logprobs, dtype=torch.float64) - torch.tensor(ref)).abs().max().item()
+            assert gap <= 1e-4, f"{r.request_id}: engine log-probs differ from θ_{ckpt} by {gap:.2e}"
+
+
+def assert_same_update(tmp, a_dir, b_dir, tol):
+    initial = load_weights(tmp / "model")
+    a, b = load_weights(a_dir / "step_3" / "model"), load_weights(b_dir / "step_3" / "model")
+    moved = max((a[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-3, "training did not move the weights"
+    for key, w0 in initial.items():
+        da, db = a[key] - w0, b[key] - w0
+        rel = (da - db).abs().max().item() / max(da.abs().max().item(), 1e-12)
+        assert rel <= tol, f"{key}: weight changes differ by {rel:.2e} (relative to the change)"
+        raw = (a[key] - b[key]).abs().max().item() / a[key].abs().max().item()
+        assert raw <= 1e-6, f"{key}: weights differ by {raw:.2e} (relative)"
+
+
+VARIANTS = {
+    "grpo_tp1": (1, ["parallel.tp=1"], []),
+    "ppo_decoupled_recompute_tp2": (2, ["parallel.tp=2", "algorithm.loss=ppo_decoupled"], []),
+    "dapo_kl_pp2": (2, ["parallel.pp=2", "algorithm.loss=dapo", "algorithm.kl.coef=0.1"], []),
+    # sync packs whole groups; periodic splits each group across micro-batches (136 < 128 + 4 x 8)
+    "dr_grpo_kl_minibatches2_split": (1, ["algorithm.loss=dr_grpo", "algorithm.kl.coef=0.1", "trainer.mini_batches=2"],
+                                      ["pipeline.micro_batch_tokens=136"]),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_periodic_equals_sync_and_samples_come_from_the_trained_weights(setup, variant):
     tmp, config = setup
-    base = [f"parallel.tp={tp}"]
-    sync, sync_hist = _run(tmp, config, f"sync_tp{tp}", tp, [*base, "pipeline.mode=sync"])
-    periodic, periodic_hist = _run(tmp, config, f"periodic_tp{tp}", tp, [*base, "pipeline.mode=periodic",
-                                                                      "rollout.max_batch_size=4"])
-    initial = _final_weights(tmp / "model")
-    assert max((sync[k] - initial[k]).abs().max().item() for k in initial) > 1e-4, "training did not move"
-    for key, value in sync.items():
-        rel = (periodic[key] - value).abs().max() / value.abs().max()
-        assert rel <= 1e-6, f"{key}: periodic differs from sync by {rel:.2e} (relative)"
-    for hist in (sync_hist, periodic_hist):
-        assert [h["train/version"] for h in hist] == [1.0, 2.0, 3.0]
-        assert all(h["rollout/staleness_max"] == 0 for h in hist)  # every sample carries the batch version
-    assert any(h["loss/value"] != 0 for h in sync_hist)
-    assert torch.isfinite(torch.tensor([h["loss/value"] for h in periodic_hist])).all()
+    world, common, periodic_only = VARIANTS[variant]
+    sync_dir, sync_hist, sync_results = _run(tmp, config, f"{variant}_sync", world, [*common, "pipeline.mode=sync"])
+    per_dir, per_hist, per_results = _run(tmp, config, f"{variant}_periodic", world,
+                                          [*common, "pipeline.mode=periodic", "rollout.max_batch_size=4",
+                                           *periodic_only])
+    assert_same_update(tmp, sync_dir, per_dir, tol=1e-4)
+    for out, results in ((sync_dir, sync_results), (per_dir, per_results)):
+        assert len(results) == 3 * 4 * 4
+        assert_engine_sampled_from_trained_weights(tmp, out, results)
+    mini = 2 if "minibatches2" in variant else 1
+    for hist in (sync_hist, per_hist):
+        assert [h["train/optimizer_steps"] for h in hist] == [mini] * 3
+        assert all(h["rollout/staleness_max"] == 0 for h in hist)
+    # Real overlap: some micro-batches were trained while the engine was still decoding the step.
+    assert sum(h["train/overlapped_micro_batches"] for h in per_hist) >= 1
+    assert all(h["train/overlapped_micro_batches"] == 0 for h in sync_hist)
+    if "split" in variant:
+        assert all(h["train/micro_batches"] >= 4 for h in per_hist)  # every group went in two parts
 
 
-def _stale_worker(config_path: str, overrides: list[str]):
-    from megatron_rl.config import load_config
-    from megatron_rl.trainer.loop import train
+def _a3po_loss(tmp, out, results, step, clip=0.2):
+    """The decoupled-PPO loss of batch ``step`` written out: A-3PO proximal, behaviour weight,
+    clipped ratio, token mean over the batch; θ from the checkpoint, rewards recomputed."""
+    from transformers import AutoTokenizer
 
-    return train(load_config(config_path, overrides), platform="cpu")
+    from tests.rl_fixtures import digit_share_reward
+
+    tok = AutoTokenizer.from_pretrained(tmp / "model")
+    rs = [r for r in results if int(r.request_id.split("/")[0]) == step]
+    groups = {}
+    for r in rs:
+        groups.setdefault(r.request_id.split("/")[1], []).append(r)
+    logps = teacher_forced_logprobs(_checkpoint(tmp, out, step), [(r.prompt_ids, r.response_ids) for r in rs])
+    logp_of = {r.request_id: lp for r, lp in zip(rs, logps, strict=True)}
+    total, tokens = 0.0, 0
+    for members in groups.values():
+        members.sort(key=lambda r: int(r.request_id.split("/")[2]))
+        rewards = [digit_share_reward(None, tok.decode(r.response_ids, skip_special_tokens=True)) for r in members]
+        mean, std = statistics.mean(rewards), statistics.stdev(rewards)
+        for r, reward in zip(members, rewards, strict=True):
+            adv = 0.0 if std == 0 else (reward - mean) / (std + 1e-6)
+            alpha = 1.0 / max(step - r.weight_version, 1)
+            for lp, behav in zip(logp_of[r.request_id], r.logprobs, strict=True):
+                prox = alpha * behav + (1 - alpha) * lp
+                ratio, weight = torch.tensor(lp - prox).exp().item(), torch.tensor(prox - behav).exp().item()
+                clipped = min(max(ratio, 1 - clip), 1 + clip)
+                total += -min(ratio * adv, clipped * adv) * weight
+                tokens += 1
+    return total / tokens
 
 
-def test_stale_mode_runs_ahead_within_the_bound(setup):
-    """stale + A-3PO: generation of batch t+1 overlaps the update of batch t; samples are at most
-    max_staleness versions old, the weight update waits for the generate call in progress."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_stale_mode_reaches_its_staleness_and_trains_the_a3po_loss(setup, k):
+    """stale + A-3PO: generation runs up to k versions ahead; every sample's log-probs are those of
+    the version it claims (checked against that checkpoint); one step's loss equals the written-out
+    A-3PO loss."""
     tmp, config = setup
-    overrides = ["pipeline.mode=stale", "pipeline.max_staleness=1", "algorithm.loss=ppo_decoupled",
-                 "algorithm.proximal=loglinear", "trainer.steps=4"]
-    (history,) = run_distributed(_stale_worker, 1, config, overrides, timeout_s=600)
-    assert [h["train/version"] for h in history] == [1.0, 2.0, 3.0, 4.0]
-    staleness = [h["rollout/staleness_max"] for h in history]
-    assert max(staleness) <= 1
-    assert all(torch.isfinite(torch.tensor(h["loss/value"])) for h in history)
+    out, history, results = _run(tmp, config, f"stale_k{k}", 1, [
+        "pipeline.mode=stale", f"pipeline.max_staleness={k}", "pipeline.queue_size=64",
+        "algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear", "trainer.steps=6",
+        "control.group_size=8"])  # training outlasts generation, so the producer runs k batches ahead
+    assert [h["train/version"] for h in history] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert max(h["rollout/staleness_max"] for h in history) == k  # it really ran ahead by k
+
+    def version_of(r):
+        step = int(r.request_id.split("/")[0])
+        assert step - k <= r.weight_version <= step, r.request_id
+        return r.weight_version
+
+    assert_engine_sampled_from_trained_weights(tmp, out, results, version_of=version_of)
+    stale_step = next(t for t, h in enumerate(history) if h["rollout/staleness_max"] >= 1)
+    expected = _a3po_loss(tmp, out, results, stale_step)
+    assert history[stale_step]["loss/value"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
 
 
 def test_resume_from_a_checkpoint_continues_exactly(setup):
     """3 steps straight == 1 step, checkpoint (weights, Adam state, controller, prompt stream),
     a new process resuming for the remaining 2 steps."""
     tmp, config = setup
-    straight, resumed = tmp / "straight", tmp / "resumed"
-    run_distributed(_stale_worker, 1, config, ["pipeline.mode=sync", "trainer.save_every=1",
-                                               f"trainer.save_dir={straight}"], timeout_s=600)
+    straight, _, _ = _run(tmp, config, "straight", 1, ["pipeline.mode=sync"])
     assert (straight / "step_1" / "trainer_state.json").is_file()
     assert not list(straight.glob("*.tmp")), "a staging directory was left behind"
-    (history,) = run_distributed(_stale_worker, 1, config, ["pipeline.mode=sync", f"trainer.save_dir={resumed}",
-                                                            f"trainer.resume_from={straight / 'step_1'}"],
-                                 timeout_s=600)
+    resumed, history, _ = _run(tmp, config, "resumed", 1, ["pipeline.mode=sync",
+                                                           f"trainer.resume_from={straight / 'step_1'}"])
     assert len(history) == 2
-    expected, got = _final_weights(straight / "step_3" / "model"), _final_weights(resumed / "step_3" / "model")
-    for key, value in expected.items():
-        rel = (got[key] - value).abs().max() / value.abs().max()
-        assert rel <= 1e-6, f"{key}: resumed run differs by {rel:.2e} (relative)"
+    assert_same_update(tmp, straight, resumed, tol=1e-6)
 
 
 def test_broadcast_weight_sync_equals_snapshot_sync(setup):
@@ -117,9 +178,8 @@ def test_broadcast_weight_sync_equals_snapshot_sync(setup):
     NCCL / HCCL path on devices) trains exactly like the snapshot path, at TP=2."""
     tmp, config = setup
     base = ["parallel.tp=2", "pipeline.mode=periodic"]
-    snapshot, _ = _run(tmp, config, "sync_snapshot_tp2", 2, [*base, "rollout.weight_sync=snapshot"])
-    broadcast, hist = _run(tmp, config, "sync_broadcast_tp2", 2, [*base, "rollout.weight_sync=broadcast"])
+    snapshot, _, _ = _run(tmp, config, "snapshot_tp2", 2, [*base, "rollout.weight_sync=snapshot"])
+    broadcast, hist, results = _run(tmp, config, "broadcast_tp2", 2, [*base, "rollout.weight_sync=broadcast"])
     assert [h["train/version"] for h in hist] == [1.0, 2.0, 3.0]
-    for key, value in snapshot.items():
-        rel = (broadcast[key] - value).abs().max() / value.abs().max()
-        assert rel <= 1e-6, f"{key}: broadcast sync differs from snapshot sync by {rel:.2e}"
+    assert_same_update(tmp, snapshot, broadcast, tol=1e-4)  # periodic: groups summed in arrival order
+    assert_engine_sampled_from_trained_weights(tmp, broadcast, results)

@@ -39,6 +39,14 @@ def engine(hf_dir):
     eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def pristine_engine(hf_dir):
+    """An engine no test syncs: it always runs the checkpoint's weights, whatever the test order."""
+    eng = build_engine(EngineSettings(backend="hf", model_path=str(hf_dir), num_workers=1, max_batch_size=3))
+    yield eng
+    eng.shutdown()
+
+
 def test_engine_is_a_rollout_engine_pinned_to_its_cores(engine):
     assert isinstance(engine, RolloutEngine)
     for status, core in zip(engine.status(), (min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))), strict=True):
@@ -57,9 +65,9 @@ def test_same_seed_same_sample_whatever_the_batch(engine):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
-def test_logprobs_equal_teacher_forced_hf_forward(engine, hf_dir, temperature):
-    if engine.weight_version != 0:
-        pytest.skip("the engine runs synced weights; this test needs the checkpoint's")
+def test_logprobs_equal_teacher_forced_hf_forward(pristine_engine, hf_dir, temperature):
+    engine = pristine_engine
+    assert engine.weight_version == 0
     reqs = [request(f"r{i}", p, temperature=temperature, max_new=8, seed=10 + i) for i, p in enumerate(PROMPTS)]
     for r in run_all(engine, reqs).values():
         ref, argmax = hf_teacher_forced_logprobs(hf_dir, r.prompt_ids, r.response_ids, temperature)

@@ -54,9 +54,17 @@ def engine(hf_dir):
     eng.shutdown()
 
 
-def test_logprobs_are_at_the_sampling_temperature(engine, hf_dir):
-    if engine.weight_version != 0:
-        pytest.skip("the engine runs synced weights; this test needs the checkpoint's")
+@pytest.fixture
+def fresh_engine(hf_dir):
+    """A new engine for this test alone: it runs the checkpoint's weights, whatever the test order."""
+    eng = build_engine(vllm_settings(hf_dir))
+    yield eng
+    eng.shutdown()
+
+
+def test_logprobs_are_at_the_sampling_temperature(fresh_engine, hf_dir):
+    engine = fresh_engine
+    assert engine.weight_version == 0
     reqs = [request(f"t{t}-{i}", p, temperature=t, max_new=6, seed=i)
             for t in (0.0, 0.7) for i, p in enumerate(PROMPTS)]
     diffs = []

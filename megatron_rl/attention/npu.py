@@ -26,6 +26,8 @@ def npu_attention(
     if not torch_npu_available():
         raise RuntimeError("attention backend 'npu' needs torch_npu (pip install torch_npu on an Ascend host)")
     import torch_npu
+
+    # `megatron_rl_kernels` is kernels/ of this distribution (named apart from PyPI's `kernels`).
     from megatron_rl_kernels.npu_args import build_npu_fusion_args, npu_fusion_call
 
     fa = layout.cached_plan(

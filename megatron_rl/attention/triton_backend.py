@@ -19,6 +19,8 @@ def triton_attention(
     *, block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    # The kernels ship in this distribution as `megatron_rl_kernels` (setup.py maps kernels/ to it):
+    # a top-level `kernels` package exists on PyPI and is probed by transformers.
     from megatron_rl_kernels.triton_shared_prompt import (
         build_block_plan,
         shared_prompt_flash_attention,

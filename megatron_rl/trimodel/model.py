@@ -22,6 +22,7 @@ import torch
 
 from megatron_rl.attention.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule
+from megatron_rl.platform.patches.finalize_grads import scoped_finalize_model_grads
 from megatron_rl.trimodel.offload import HostOffload
 from megatron_rl.trimodel.plan import CopyPlan, Residency, TriModelPlan
 from megatron_rl.trimodel.stage import TriLogprobs, TriStage, unwrap
@@ -160,24 +161,10 @@ class TriModel:
             for offload in self._offload.values():
                 offload.release()
 
-    @contextlib.contextmanager
-    def _finalize_on_policy(self, enabled: bool) -> Iterator[None]:
-        """Megatron's ``finalize_model_grads`` (set by ``wrap_for_training``) gets the chunks the
-        schedule ran, here the ``TriStage``; scope it to the policy chunk it was made for, or
-        switch it off for this schedule (``enabled=False``)."""
-        config = self.stage.config
-        original = config.finalize_model_grads_func
-        if original is None:
-            yield
-            return
-        if enabled:
-            config.finalize_model_grads_func = lambda _chunks, *a, **kw: original([self.policy], *a, **kw)
-        else:
-            config.finalize_model_grads_func = None
-        try:
-            yield
-        finally:
-            config.finalize_model_grads_func = original
+    def _finalize_on_policy(self, enabled: bool):
+        """Megatron's ``finalize_model_grads`` scoped to the policy chunk for one schedule
+        (``platform/patches/finalize_grads``), or switched off for it (``enabled=False``)."""
+        return scoped_finalize_model_grads(self.stage.config, self.policy, enabled=enabled)
 
 
 def load_frozen_copies(

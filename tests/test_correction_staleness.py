@@ -1,0 +1,39 @@
+"""The rollout correction measures and corrects only the tokens sampled by the weights the
+trainer compares against (staleness 0); stale tokens in ``stale`` mode are left to the decoupled
+behaviour weight, so legitimate off-policy samples are never masked as an engine mismatch."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algorithms import LossSettings, policy_loss
+from megatron_rl.algorithms.correction import RolloutCorrection
+
+MASKING = RolloutCorrection(mode="sequence_mask", c_max=3.0)
+
+
+def _loss(correction, versions, current=5):
+    torch.manual_seed(0)
+    logp = (-torch.rand(2, 4)).requires_grad_()
+    behav = logp.detach().clone()
+    behav[0] -= 2.0  # sequence 0: the engine is far from the trainer (ratio e^8 > C_max)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    settings = LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=correction)
+    out = policy_loss(settings, logp=logp, mask=mask, advantages=torch.tensor([1.0, -0.5]), denominator=8.0,
+                      old_logp=logp.detach(), behav_logp=behav, versions=torch.tensor(versions)[:, None].expand(2, 4),
+                      current_version=current)
+    return out
+
+
+def test_a_stale_sequence_is_neither_masked_nor_measured():
+    stale = _loss(MASKING, versions=[4, 5])  # sequence 0 is one version old
+    plain = _loss(RolloutCorrection(mode="none"), versions=[4, 5])
+    torch.testing.assert_close(stale.loss, plain.loss)
+    assert float(stale.metrics.mismatch.n_tokens) == 4 and float(stale.metrics.mismatch.n_masked) == 0
+
+
+def test_a_fresh_sequence_with_the_same_gap_is_masked():
+    fresh = _loss(MASKING, versions=[5, 5])
+    plain = _loss(RolloutCorrection(mode="none"), versions=[5, 5])
+    assert float(fresh.metrics.mismatch.n_masked) == 4 and float(fresh.metrics.mismatch.n_tokens) == 8
+    assert not torch.allclose(fresh.loss, plain.loss)
