@@ -18,10 +18,20 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     train.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    train.add_argument("--rollout-only", action="store_true",
+                       help="generate and score trainer.steps batches without training (rollout.record saves them)")
+    replay = sub.add_parser("replay", help="train on the groups a run recorded with rollout.record (no engine)")
+    replay.add_argument("config", help="YAML config file (the recording run's, or a variant)")
+    replay.add_argument("recording", help="JSONL written by rollout.record")
+    replay.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    replay.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu"])
     check = sub.add_parser("check-config", help="load and validate a config, print it resolved")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if unknown := [a for a in extra if a.startswith("-") or "=" not in a]:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra  # a.b=c overrides may also follow the flags
     # megatron-core warns at import that Apex / Transformer Engine are absent (expected off CUDA).
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
 
@@ -37,9 +47,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0
+    if args.command == "train" and args.rollout_only:
+        from megatron_rl.trainer.rollout_only import generate_only
+
+        generate_only(cfg)
+        return 0
     from megatron_rl.trainer.loop import train as run_training
 
-    run_training(cfg, platform=args.platform)
+    run_training(cfg, platform=args.platform, replay=args.recording if args.command == "replay" else None)
     return 0
 
 

@@ -167,7 +167,7 @@ def train_one_step(pipe: Pipeline, trainer) -> BatchSummary:
 
 def make_pipeline(engine, *, mode="periodic", max_staleness=0, prompts=None, controller=None, num_steps=3,
                   queue_size=64, dynamic_sampling=False, tokens=4096, flush_when_idle=True,
-                  reward_fn=parity_reward, mini_batches=1) -> Pipeline:
+                  reward_fn=parity_reward, mini_batches=1, record=None) -> Pipeline:
     """A pipeline over 6 prompts per batch (G = 4 unless ``controller`` says otherwise)."""
     return Pipeline(
         engine=engine, prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
@@ -177,7 +177,7 @@ def make_pipeline(engine, *, mode="periodic", max_staleness=0, prompts=None, con
         settings=PipelineSettings(mode=mode, max_staleness=max_staleness, queue_size=queue_size, seed=7,
                                   micro_batch_tokens=tokens, flush_when_idle=flush_when_idle, poll_s=0.01,
                                   mini_batches=mini_batches, join_timeout_s=5.0),
-        num_steps=num_steps,
+        num_steps=num_steps, record=record,
     )
 
 

@@ -155,6 +155,9 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     max_restarts: int = 3  # worker failures (deaths, hangs) tolerated per engine call; then an error
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
+    # Write every scored group (tokens, log-probs, rewards, versions) to this JSONL file, for
+    # `python -m megatron_rl replay CONFIG FILE`; None = no recording.
+    record: str | None = None
     vllm: dict[str, Any] = field(default_factory=dict)  # pass-through vLLM engine kwargs
 
 
@@ -237,6 +240,9 @@ class TrainerConfig:
     log_dir: str | None = None  # metrics dir (jsonl); None = stdout only
     offload_reference: bool = False  # keep the reference model on CPU between uses
     offload_old: bool = False  # keep the old-policy snapshot on CPU between uses
+    # Optimizer steps skipped in a row because the loss or a gradient was NaN / inf (same verdict on
+    # every rank) before the run stops with an error; each skip is counted in train/nonfinite_steps.
+    max_nonfinite_steps: int = 3
 
 
 @dataclass(frozen=True, kw_only=True)

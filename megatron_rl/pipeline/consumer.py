@@ -29,10 +29,12 @@ import queue
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_rl.control import GroupSizeController
 from megatron_rl.pipeline.batching import StepBatch
 from megatron_rl.pipeline.producer import Detokenize, GroupScoring, Producer, PromptSource, RewardCallable
+from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayProducer
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, PipelineError, QueueItem
 from megatron_rl.pipeline.versions import (
     PipelineMode,
@@ -115,8 +117,11 @@ class Pipeline:
     def __init__(
         self, *, engine: RolloutEngine, prompts: PromptSource, reward_fn: RewardCallable, detokenize: Detokenize,
         controller: GroupSizeController, sampling: SamplingSettings, scoring: GroupScoring,
-        settings: PipelineSettings, num_steps: int, start_step: int = 0,
+        settings: PipelineSettings, num_steps: int, start_step: int = 0, record: str | Path | None = None,
+        replay: str | Path | None = None,
     ) -> None:
+        """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
+        a file instead of generating (``engine`` is then a ``recording.NullEngine``)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.settings, self._engine = settings, engine
@@ -125,14 +130,29 @@ class Pipeline:
         self.versions = PolicyVersions(base)
         self.schedule = VersionSchedule(mode=settings.mode, max_staleness=settings.max_staleness, base_version=base)
         self._start_step, self._num_steps, self._batch_index = start_step, num_steps, 0
-        self._producer = Producer(
-            engine=engine, prompts=prompts, reward_fn=reward_fn, detokenize=detokenize, controller=controller,
-            versions=self.versions, schedule=self.schedule, sampling=sampling, scoring=scoring, out=self._queue,
-            start_step=start_step, num_steps=num_steps, seed=settings.seed, poll_s=settings.poll_s,
-        )
+        self._recorder = QueueRecorder(record) if record is not None else None
+        if replay is not None:
+            self._producer = ReplayProducer(replay, out=self._queue, start_step=start_step, num_steps=num_steps,
+                                            poll_s=settings.poll_s)
+        else:
+            self._producer = Producer(
+                engine=engine, prompts=prompts, reward_fn=reward_fn, detokenize=detokenize, controller=controller,
+                versions=self.versions, schedule=self.schedule, sampling=sampling, scoring=scoring, out=self._queue,
+                start_step=start_step, num_steps=num_steps, seed=settings.seed, poll_s=settings.poll_s,
+                record=self._recorder,
+            )
         self._current: StepBatch | None = None
         self._wait_s = 0.0
         self._started = self._closed = False
+
+    @classmethod
+    def replaying(cls, path: str | Path, *, engine: NullEngine, settings: PipelineSettings, num_steps: int,
+                  start_step: int = 0) -> Pipeline:
+        """A pipeline fed by a recording (``rollout.record``) instead of engines: no reward function,
+        prompts or controller; ``engine`` only counts versions (``python -m megatron_rl replay``)."""
+        return cls(engine=engine, prompts=None, reward_fn=None, detokenize=None, controller=None,
+                   sampling=None, scoring=None, settings=settings, num_steps=num_steps, start_step=start_step,
+                   replay=path)
 
     def start(self) -> Pipeline:
         """Start the producer thread (idempotent)."""
@@ -205,6 +225,8 @@ class Pipeline:
             self._producer.stop()
             self._engine.shutdown()  # also releases a producer stuck inside engine.generate
             self._producer.join(self.settings.join_timeout_s)
+            if self._recorder is not None:
+                self._recorder.close()
             if self._started:
                 sys.setswitchinterval(self._saved_switch_interval)
         return not self._producer.is_alive()

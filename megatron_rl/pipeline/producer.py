@@ -91,6 +91,7 @@ class GroupScoring:
     advantage_scale: AdvantageScale = "group"  # "group" (GRPO) or "none" (Dr.GRPO); "batch" is refused
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     overlong: OverlongShaping | None = None
+    eps: float = 1e-6  # added to the group std before dividing (algorithm.advantage.eps)
 
     def __post_init__(self) -> None:
         if self.advantage_scale not in ("group", "none"):
@@ -110,7 +111,8 @@ def score_group(*, step: int, prompt_index: int, samples: Sequence[Sample], scor
     kept = bool(dynamic_sampling_keep(rewards[None])[0]) if scoring.dynamic_sampling else True
     return ScoredGroup(
         step=step, prompt_index=prompt_index, prompt_id=samples[0].prompt_id, samples=tuple(samples),
-        rewards=rewards, advantages=group_advantages(rewards[None], scale=scoring.advantage_scale)[0], kept=kept,
+        rewards=rewards, kept=kept,
+        advantages=group_advantages(rewards[None], scale=scoring.advantage_scale, eps=scoring.eps)[0],
     )
 
 
@@ -137,12 +139,12 @@ class Producer:
         self, *, engine: RolloutEngine, prompts: PromptSource, reward_fn: RewardCallable, detokenize: Detokenize,
         controller: GroupSizeController, versions: PolicyVersions,
         schedule: VersionSchedule, sampling: SamplingSettings, scoring: GroupScoring, out: queue.Queue[QueueItem],
-        start_step: int, num_steps: int, seed: int, poll_s: float,
+        start_step: int, num_steps: int, seed: int, poll_s: float, record: Callable[[QueueItem], None] | None = None,
     ) -> None:
         self._engine, self._prompts, self._reward_fn, self._detokenize = engine, prompts, reward_fn, detokenize
         self._controller = controller
         self._versions, self._schedule, self._sampling, self._scoring = versions, schedule, sampling, scoring
-        self._out, self._seed, self._poll_s = out, seed, poll_s
+        self._out, self._seed, self._poll_s, self._record = out, seed, poll_s, record
         self._start_step, self._num_steps = start_step, num_steps
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -242,6 +244,8 @@ class Producer:
             self._put(group)
 
     def _put(self, item: QueueItem) -> None:
+        if self._record is not None:
+            self._record(item)  # rollout.record: the queue as JSONL (pipeline.recording)
         while not self._stop.is_set():
             try:
                 self._out.put(item, timeout=self._poll_s)

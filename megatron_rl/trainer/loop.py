@@ -17,20 +17,26 @@ from megatron_rl.trainer.checkpoint import RunState
 from megatron_rl.trainer.metrics import format_step, step_metrics
 from megatron_rl.trainer.rl_step import LeaderReplica, follow
 from megatron_rl.trainer.setup import EngineFactory, build_run
+from megatron_rl.trainer.stop import NonFiniteGuard
 
 
-def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None) -> list[dict]:
+def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None,
+          replay: str | None = None) -> list[dict]:
     """Run ``cfg.trainer.steps`` RL iterations; return the per-step metrics (on the leader).
 
     ``engine_factory(EngineSettings) -> RolloutEngine`` replaces ``rollout.build_engine``
-    (an extension point: a remote engine service, a recording wrapper, ...).
+    (an extension point: a remote engine service, a recording wrapper, ...). ``replay``: train on
+    a ``rollout.record`` file instead of generating. SIGTERM / SIGINT end the run after the
+    current step, with a checkpoint (``trainer.stop``).
     """
-    run = build_run(cfg, platform=platform, engine_factory=engine_factory)
+    run = build_run(cfg, platform=platform, engine_factory=engine_factory, replay=replay)
+    run.replica.stop.install()
     if not run.is_leader:
         follow(run.replica)
         run.cleanup()
         return []
     replica, pipeline, history = LeaderReplica(run.replica), run.pipeline, []
+    nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
     try:
         with pipeline:
             for step in range(run.first_step, cfg.trainer.steps):
@@ -47,17 +53,22 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
                 run.logger.log(step, metrics)
                 history.append(metrics)
                 print(format_step(step, metrics), flush=True)
-                if _should_save(cfg, step + 1):
+                nonfinite.check(step, metrics["train/nonfinite_steps"])
+                stop = replica.poll_stop()
+                if _should_save(cfg, step + 1, stop):
                     replica.save_checkpoint(Path(cfg.trainer.save_dir) / f"step_{step + 1}", _run_state(cfg, summary))
+                if stop:
+                    break
     finally:
         replica.stop_followers()
         run.cleanup()
     return history
 
 
-def _should_save(cfg: Config, steps_done: int) -> bool:
+def _should_save(cfg: Config, steps_done: int, stopping: bool) -> bool:
     every = cfg.trainer.save_every
-    return bool(cfg.trainer.save_dir) and (steps_done == cfg.trainer.steps or (every > 0 and steps_done % every == 0))
+    due = stopping or steps_done == cfg.trainer.steps or (every > 0 and steps_done % every == 0)
+    return bool(cfg.trainer.save_dir) and due
 
 
 def _run_state(cfg: Config, summary: BatchSummary) -> RunState:

@@ -53,34 +53,43 @@ class MetricsLogger:
             self._file = self._tb = None
 
 
-def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seconds: Mapping[str, float], *,
-                 step_s: float, memory: TriModelMemory) -> dict[str, float]:
-    """The flat metrics of one step: rollout, time per phase, loss, controller, memory."""
+def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]:
+    """What the rollout side of one step produced: rewards, lengths, staleness, timings, controller."""
     s, end = summary, summary.end
-    stepped = [r for r in results if not r.skipped]
-    metrics = {
+    return {
         "rollout/reward_mean": s.reward_mean, "rollout/group_size": float(end.group_size),
         "rollout/groups_dropped": float(end.groups_dropped),
-        "rollout/response_tokens": float(s.trained_response_tokens),
+        "rollout/response_tokens": float(s.trained_response_tokens), "train/responses": float(s.trained_responses),
         "rollout/mean_response_len": sum(end.response_lengths) / max(len(end.response_lengths), 1),
         "rollout/staleness_max": float(s.staleness.max), "rollout/staleness_mean": s.staleness.mean,
         "time/step_s": step_s, "time/queue_wait_s": s.wait_s, "time/generation_s": end.generation_s,
-        **{f"time/{phase}_s": value for phase, value in seconds.items()},
         "train/micro_batches": float(s.num_micro_batches),
         "train/overlapped_micro_batches": float(s.overlapped_micro_batches),
+        "train/version": float(s.new_version),
+        **end.control_metrics,  # already named control/...
+    }
+
+
+def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seconds: Mapping[str, float], *,
+                 step_s: float, memory: TriModelMemory) -> dict[str, float]:
+    """The flat metrics of one step: rollout, time per phase, loss, controller, memory."""
+    stepped = [r for r in results if not r.skipped]
+    metrics = rollout_metrics(summary, step_s=step_s)
+    metrics.update({
+        **{f"time/{phase}_s": value for phase, value in seconds.items()},
         "loss/value": sum(r.loss for r in stepped) / max(len(stepped), 1),
         "loss/grad_norm": sum(r.grad_norm for r in stepped) / max(len(stepped), 1),
         "train/optimizer_steps": float(len(stepped)), "train/skipped_mini_batches": float(len(results) - len(stepped)),
-        "train/version": float(s.new_version),
-    }
+        "train/nonfinite_steps": float(sum(r.nonfinite for r in results)),
+    })
     if stepped:
         metrics.update(stepped[-1].metrics)
-    metrics.update(end.control_metrics)  # already named control/...
     metrics.update(memory.as_metrics())
     return metrics
 
 
 def format_step(step: int, metrics: Mapping[str, float]) -> str:
     """One console line per step."""
-    return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f} loss {metrics['loss/value']:.4f} "
+    loss = f" loss {metrics['loss/value']:.4f}" if "loss/value" in metrics else ""
+    return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{loss} "
             f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s")

@@ -14,6 +14,7 @@ normalised loss however the batch was split or ordered.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ class MiniBatchResult:
     denominator: float
     loss: float  # the mini-batch's normalised loss
     metrics: dict[str, float]
-    skipped: bool = False  # no trainable token in the mini-batch: no optimizer step was taken
+    skipped: bool = False  # no optimizer step was taken (no trainable token, or non-finite)
+    nonfinite: bool = False  # skipped because the loss or a gradient was NaN / inf on some rank
 
 
 class PolicyTrainer:
@@ -95,14 +97,30 @@ class PolicyTrainer:
         # gradient is the plain sum of the ranks' numerator gradients, hence dp / D.
         self.ddp.scale_gradients(ps.get_data_parallel_world_size() / denominator)
         finalize_model_grads([self.ddp])
+        if not self._finite_everywhere(numerator):  # same verdict on every rank: all skip together
+            self._reset()
+            return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"), metrics={},
+                                   skipped=True, nonfinite=True)
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("optimizer step skipped (non-finite gradients)")
+        if not ok:  # megatron's own check (fp16 loss scaling); nothing was applied
+            self._reset()
+            return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"), metrics={},
+                                   skipped=True, nonfinite=True)
         metrics = self._metrics.to_log() if self._metrics is not None else {}
         result = MiniBatchResult(grad_norm=float(grad_norm or 0.0), denominator=denominator,
                                  loss=numerator / denominator, metrics=metrics)
         self._reset()
         return result
+
+    def _finite_everywhere(self, numerator: float) -> bool:
+        """True iff the loss and every gradient of every rank are finite (one all-reduce)."""
+        local = math.isfinite(numerator) and all(
+            bool(torch.isfinite(buf.grad_data).all()) for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers
+        )
+        flag = torch.tensor([1 if local else 0], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _global_totals(self) -> torch.Tensor:
         """[denominator, numerator] summed over the model replicas' last stages (once per replica)."""

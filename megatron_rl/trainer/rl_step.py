@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.models import DecoderSpec, export_hf_tensors, save_hf_checkpoint
@@ -26,6 +27,7 @@ from megatron_rl.pipeline import MicroBatch
 from megatron_rl.rollout.types import RolloutEngine
 from megatron_rl.trainer.checkpoint import RunState, finalize, save_optimizer, staging_dir
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
+from megatron_rl.trainer.stop import StopRequest
 
 
 class ReplicaChannel:
@@ -58,6 +60,7 @@ class Replica:
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
         self.channel, self.weight_sync = channel, weight_sync
+        self.stop = StopRequest()  # installed by the loop
         self.results: list[MiniBatchResult] = []
         self.seconds = {"train": 0.0, "optimizer": 0.0, "weight_sync": 0.0}  # since the last pop_results()
         self.trainer.begin_batch()
@@ -101,6 +104,13 @@ class Replica:
         if self.channel.size > 1:
             dist.barrier(group=self.channel.group)  # every rank's optimizer file is written
 
+    def poll_stop(self) -> bool:
+        """True on every rank if any rank of the replica was asked to stop (SIGTERM / SIGINT)."""
+        flag = torch.tensor([1 if self.stop.requested else 0], dtype=torch.int64)
+        if self.channel.size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.channel.group)
+        return bool(flag.item())
+
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
         """The optimizer steps and the seconds spent per phase since the last call."""
         out, seconds = self.results, self.seconds
@@ -110,7 +120,8 @@ class Replica:
 
 # What followers may be asked to run: public Replica methods only.
 REPLICA_CALLS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save)
+    f.__name__: f
+    for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save, Replica.poll_stop)
 }
 
 
@@ -134,6 +145,9 @@ class LeaderReplica:
         shutil.rmtree(staging_dir(path), ignore_errors=True)
         self._call("save", str(path))
         return finalize(staging_dir(path), state)
+
+    def poll_stop(self) -> bool:
+        return self._call("poll_stop")
 
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
         return self.replica.pop_results()

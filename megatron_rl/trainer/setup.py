@@ -22,6 +22,7 @@ from megatron_rl.control import GroupSizeController, load_controller
 from megatron_rl.data import PromptStream, load_records, tokenize_records
 from megatron_rl.parallel.state import initialize_parallel
 from megatron_rl.pipeline import Pipeline
+from megatron_rl.pipeline.recording import NullEngine
 from megatron_rl.rewards import load_reward_fn
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
@@ -48,13 +49,16 @@ class Run:
         return self.replica.channel.is_leader
 
     def cleanup(self) -> None:
+        self.replica.stop.uninstall()
         if self.logger is not None:
             self.logger.close()
         shutil.rmtree(self.snapshot_root, ignore_errors=True)
 
 
-def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None) -> Run:
-    """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``."""
+def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None,
+              replay: str | None = None) -> Run:
+    """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``; with
+    ``replay`` (a ``rollout.record`` file) the pipeline replays it and no engine starts."""
     _, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed, platform=platform)
     validate_world(cfg, layout.world_size)
     if layout.dp != 1:
@@ -70,13 +74,18 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
     snapshots = _shared_snapshot_root()
     engine = None
     if channel.is_leader:
-        engine = (engine_factory or build_engine)(from_config.engine_settings(cfg, model_path=policy_path))
+        engine = NullEngine() if replay else (engine_factory or build_engine)(
+            from_config.engine_settings(cfg, model_path=policy_path))
     replica = Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
                       channel=channel, weight_sync=cfg.rollout.weight_sync)
     first = resume.step if resume else 0
     if not channel.is_leader:
         return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=snapshots)
-    pipeline = build_pipeline(cfg, engine, resume)
+    if replay:
+        pipeline = Pipeline.replaying(replay, engine=engine, settings=from_config.pipeline_settings(cfg),
+                                      num_steps=cfg.trainer.steps - first, start_step=first)
+    else:
+        pipeline = build_pipeline(cfg, engine, resume)
     return Run(replica=replica, first_step=first, pipeline=pipeline, logger=MetricsLogger(cfg.trainer.log_dir),
                snapshot_root=snapshots)
 
@@ -113,7 +122,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None) 
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         controller=build_controller(cfg, resume), sampling=from_config.sampling_settings(cfg, tokenizer),
         scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
-        num_steps=cfg.trainer.steps - start, start_step=start,
+        num_steps=cfg.trainer.steps - start, start_step=start, record=cfg.rollout.record,
     )
 
 

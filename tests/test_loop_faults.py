@@ -1,0 +1,150 @@
+"""Faults the training loop must survive: SIGTERM / SIGINT on any rank stop every rank after the
+current step with a complete checkpoint, from which a resumed run ends exactly where an
+uninterrupted one does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.rollout.wrapper import EngineWrapper
+from tests.distributed import run_distributed
+from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    model = make_tiny_rl_model(tmp / "model")
+    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+                            pipeline={"mode": "sync"},
+                            trainer={"steps": 5, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3})
+    return tmp, str(config)
+
+
+def _cli(config, *overrides):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl", "train", config, *overrides, "--platform", "cpu"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resumes_exactly(setup, sig):
+    tmp, config = setup
+    stopped, straight = tmp / f"stopped_{sig.name}", tmp / f"straight_{sig.name}"
+    proc = _cli(config, f"trainer.save_dir={stopped}")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 1:"):
+            proc.send_signal(sig)
+    assert proc.wait(timeout=300) == 0, "".join(lines[-30:])
+    done = sorted(int(p.name.split("_")[1]) for p in stopped.glob("step_*") if not p.name.endswith(".tmp"))
+    assert len(done) == 1 and 2 <= done[0] < 5, (done, "".join(lines[-30:]))  # stopped early, one checkpoint
+    assert not list(stopped.glob("*.tmp")) and (stopped / f"step_{done[0]}" / "trainer_state.json").is_file()
+    assert any(sig.name in line for line in lines)
+    resume = _cli(config, f"trainer.save_dir={stopped}", f"trainer.resume_from={stopped / f'step_{done[0]}'}")
+    out, _ = resume.communicate(timeout=300)
+    assert resume.returncode == 0, out[-3000:]
+    full = _cli(config, f"trainer.save_dir={straight}")
+    out, _ = full.communicate(timeout=300)
+    assert full.returncode == 0, out[-3000:]
+    expected, got = load_weights(straight / "step_5" / "model"), load_weights(stopped / "step_5" / "model")
+    for key, value in expected.items():
+        assert torch_rel(got[key], value) <= 1e-6, key
+
+
+def torch_rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _signal_follower(config_path: str, overrides: list[str]):
+    """Rank 1 (a follower at TP=2) signals itself once the run is under way; the leader is not signalled."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.loop import train
+
+    if int(os.environ["RANK"]) == 1:
+        threading.Timer(25.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    history = train(load_config(config_path, overrides), platform="cpu")
+    assert dist.is_initialized()
+    return len(history)
+
+
+def test_sigterm_on_one_follower_rank_stops_every_rank_together(setup):
+    tmp, config = setup
+    out = tmp / "follower_signal"
+    started = time.monotonic()
+    steps, _ = run_distributed(_signal_follower, 2, config, ["parallel.tp=2", "trainer.steps=40",
+                                                              f"trainer.save_dir={out}"], timeout_s=600)
+    assert 1 <= steps < 40, "the run did not stop early"
+    assert time.monotonic() - started < 400
+    assert [p.name for p in out.iterdir()] == [f"step_{steps}"]
+    assert (out / f"step_{steps}" / "trainer_state.json").is_file()
+
+
+class _NaNEngine(EngineWrapper):
+    """A real engine whose behaviour log-probs are NaN for the steps in ``nan_steps``."""
+
+    def __init__(self, inner, nan_steps) -> None:
+        super().__init__(inner)
+        self.nan_steps = set(nan_steps)
+
+    def generate(self, requests):
+        import dataclasses
+
+        for r in self.inner.generate(requests):
+            if int(r.request_id.split("/")[0]) in self.nan_steps:
+                r = dataclasses.replace(r, logprobs=tuple(float("nan") for _ in r.logprobs))
+            yield r
+
+
+def _train_with_nans(config_path: str, overrides: list[str], nan_steps: list[int]):
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout import build_engine
+    from megatron_rl.trainer.loop import train
+
+    cfg = load_config(config_path, overrides)
+    try:
+        return train(cfg, platform="cpu", engine_factory=lambda s: _NaNEngine(build_engine(s), nan_steps))
+    except RuntimeError as err:
+        return f"{type(err).__name__}: {err}"
+
+
+NAN_LOSS = ["algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear"]  # behaviour log-probs enter the loss
+
+
+def test_a_non_finite_step_is_skipped_on_every_rank_and_counted(setup):
+    tmp, config = setup
+    out = tmp / "nan_once"
+    history, _ = run_distributed(_train_with_nans, 2, config, [*NAN_LOSS, "parallel.tp=2", "trainer.steps=3",
+                                                                f"trainer.save_dir={out}", "trainer.save_every=1"],
+                                 [1], timeout_s=600)
+    assert [h["train/nonfinite_steps"] for h in history] == [0.0, 1.0, 0.0]
+    assert [h["train/optimizer_steps"] for h in history] == [1.0, 0.0, 1.0]
+    before, after = load_weights(out / "step_1" / "model"), load_weights(out / "step_2" / "model")
+    assert all(bool((before[k] == after[k]).all()) for k in before), "a skipped step changed the weights"
+    final = load_weights(out / "step_3" / "model")
+    assert all(bool(v.isfinite().all()) for v in final.values())
+    assert any(not bool((final[k] == after[k]).all()) for k in final), "training did not resume after the skip"
+
+
+def test_non_finite_steps_in_a_row_stop_the_run_with_a_clear_error(setup):
+    tmp, config = setup
+    out = tmp / "nan_always"
+    overrides = [*NAN_LOSS, "trainer.steps=5", "trainer.max_nonfinite_steps=2", f"trainer.save_dir={out}"]
+    (result,) = run_distributed(_train_with_nans, 1, config, overrides, [0, 1, 2, 3, 4], timeout_s=600)
+    assert isinstance(result, str) and result.startswith("NonFiniteError") and "max_nonfinite_steps=2" in result
+    assert "step 1:" in result and not (out.exists() and list(out.iterdir()))
