@@ -117,7 +117,7 @@ def test_failed_collective_is_raised_with_its_cause(tmp_path, monkeypatch):
     try:
         injected = RuntimeError("injected: trainer-side broadcast failed")
 
-        def failing_send(group, tensors, *, timeout_s):
+        def failing_send(group, tensors):
             raise injected
 
         monkeypatch.setattr(weight_sync_module, "send_tensors", failing_send)

@@ -74,13 +74,15 @@ def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | No
     store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout,
                           master_listen_fd=listener.detach() if rank == 0 else None)
     store = dist.PrefixStore("megatron_rl/weights", store)
-    if address.backend == "gloo":
+    if address.backend == "gloo":  # options as torch's own new_group builds them: a device on host
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address.host)]
         options._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, address.world_size, options)
-    if address.backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, address.world_size)
+    if address.backend == "nccl":  # the watchdog aborts a collective stuck past the timeout
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, address.world_size, options)
     if address.backend == "hccl":
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # registered by torch_npu
 
@@ -88,23 +90,21 @@ def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | No
     raise ValueError(f"sync group backend {address.backend!r}: expected one of {sorted(GROUP_BACKENDS.values())}")
 
 
-def _broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
+def _broadcast(group, tensor: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout_s))
+    group.broadcast([tensor], opts).wait()  # bounded by the group's timeout (make_group)
 
 
-def send_tensors(group, tensors: Iterable[torch.Tensor], *, timeout_s: float = 300.0) -> None:
+def send_tensors(group, tensors: Iterable[torch.Tensor]) -> None:
     """Rank 0: broadcast ``tensors`` in order (the receivers know their specs)."""
     for tensor in tensors:
-        _broadcast(group, tensor.contiguous(), timeout_s)
+        _broadcast(group, tensor.contiguous())
 
 
-def receive_tensors(
-    group, specs: Sequence[TensorSpec], device: torch.device, *, timeout_s: float = 300.0,
-) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_tensors(group, specs: Sequence[TensorSpec], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Ranks > 0: yield ``(name, tensor)`` for each spec as its broadcast arrives."""
     for spec in specs:
         tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.removeprefix("torch.")), device=device)
-        _broadcast(group, tensor, timeout_s)
+        _broadcast(group, tensor)
         yield spec.name, tensor

@@ -16,7 +16,11 @@ Contract:
   version; results always carry the version they were sampled with.
 - ``generate`` and the updates may come from different threads (stale mode: the producer
   generates batch t+1 while the trainer syncs version t+1): an update waits for the
-  generate call in progress (a lock), so every batch runs on one version.
+  generate call in progress (a lock), so every batch runs on one version. That lock has no
+  timeout of its own: the generate call holding it is bounded (every wait on a worker is),
+  as long as its caller keeps reading the iterator or closes it.
+- Workers that died while idle (or while a failed call was drained) are restarted at the
+  start of the next call.
 """
 
 from __future__ import annotations

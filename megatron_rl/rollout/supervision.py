@@ -170,7 +170,10 @@ class Supervisor:
         w.failure = (f"hung: no answer for {now - w.last_heard:.1f} s with requests {sorted(w.in_flight)[:8]} "
                      f"in flight (rollout.request_timeout_s={self.request_timeout_s}){unsent}")
         w.process.kill()
-        w.process.join()
+        w.process.join(STOP_GRACE_S)
+        if w.process.is_alive():  # e.g. stuck in an uninterruptible device call
+            raise RolloutWorkerError(f"rollout worker {w.spec.index} (pid {w.process.pid}) {w.failure}, and "
+                                     f"it did not exit within {STOP_GRACE_S} s of SIGKILL")
 
     def count_death(self, w: WorkerHandle, deaths: int, during: str) -> int:
         """``deaths + 1``; ``RolloutWorkerError`` once that exceeds ``max_restarts``."""
@@ -212,6 +215,7 @@ class Supervisor:
     def _await_ready(self, w: WorkerHandle) -> None:
         if not wait([w.conn, w.process.sentinel], timeout=self.start_timeout_s):
             w.process.kill()
+            w.process.join(STOP_GRACE_S)
             raise RolloutWorkerError(f"rollout worker {w.spec.index} not ready after {self.start_timeout_s} s "
                                      "(rollout.start_timeout_s)")
         message = _try_recv(w.conn)
@@ -244,7 +248,7 @@ def stop_workers(workers: list[WorkerHandle]) -> None:
             w.process.join(STOP_GRACE_S)
             if w.process.is_alive():
                 w.process.kill()
-                w.process.join()
+                w.process.join(STOP_GRACE_S)
         if w.sender is not None:
             w.sender.close()
         if w.conn is not None:

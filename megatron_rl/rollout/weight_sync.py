@@ -81,10 +81,9 @@ class WeightSync:
             if main_group:
                 self._group = (pids, group)
         specs = tuple(TensorSpec.of(n, t) for n, t in self._cached_tensors)
-        timeout_s = self._sup.request_timeout_s
         return self._run_command(
             {w: ReceiveWeights(self._sup.version, specs) for w in workers}, "receive weights",
-            collective=lambda: send_tensors(group, (t for _, t in self._cached_tensors), timeout_s=timeout_s),
+            collective=lambda: send_tensors(group, (t for _, t in self._cached_tensors)),
         )
 
     def _join(self, workers: list[WorkerHandle]) -> tuple[object, list[WorkerHandle]]:
@@ -109,7 +108,7 @@ class WeightSync:
         often a peer's hang, which only its deadline reveals (the push is then repeated)."""
         for w, command in commands.items():
             w.send(command)
-        collective_error = _run_collective(collective, commands)
+        collective_error = _run_collective(collective, commands, self._sup.request_timeout_s)
         deaths, restarted, failed, waiting = 0, [], [], set(commands)
         while waiting:
             for w, message in self._sup.next_events(list(waiting)):
@@ -139,7 +138,7 @@ class WeightSync:
         raise RolloutWorkerError(message) from cause
 
 
-def _run_collective(collective: Callable[[], None] | None, commands: dict) -> RuntimeError | None:
+def _run_collective(collective: Callable[[], None] | None, commands: dict, timeout_s: float) -> RuntimeError | None:
     """Run this process's side of a collective; return its error, recorded for the caller
     (a member that died or hung is found by the wait that follows, which explains it)."""
     if collective is None:
@@ -149,10 +148,10 @@ def _run_collective(collective: Callable[[], None] | None, commands: dict) -> Ru
         collective()
     except RuntimeError as err:  # torch.distributed errors (DistError, gloo) are RuntimeErrors
         error = err
-    # The workers were in the collective with this process until now; one that failed there
-    # reports it within the collective's own timeout (= request_timeout_s), so the hang clock
-    # restarts here.
-    now = time.monotonic()
+    # The workers were in the collective with this process until now: the hang clock restarts
+    # here. After a failure, a worker still inside the collective notices only at the group's
+    # own timeout (``timeout_s``), so it gets that long on top to report before it counts as hung.
+    start = time.monotonic() + (timeout_s if error is not None else 0.0)
     for w in commands:
-        w.last_heard = now
+        w.last_heard = start
     return error

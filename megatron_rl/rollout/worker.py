@@ -168,12 +168,11 @@ def _sync_command(backend: WorkerBackend, command, group_box: list, version: int
     from megatron_rl.rollout.broadcast import make_group, receive_tensors
 
     if isinstance(command, JoinSyncGroup):
-        group_box[:] = [make_group(command.address, command.rank), command.address.timeout_s]
+        group_box[:] = [make_group(command.address, command.rank)]
         return version
     if not group_box:
         raise RuntimeError("ReceiveWeights before JoinSyncGroup")
-    group, timeout_s = group_box
-    backend.load_tensors(receive_tensors(group, command.specs, backend.device, timeout_s=timeout_s))
+    backend.load_tensors(receive_tensors(group_box[0], command.specs, backend.device))
     return command.version
 
 
