@@ -17,6 +17,7 @@ import torch
 from megatron_rl.rollout import RolloutWorkerError, WorkerPool
 from megatron_rl.rollout import weight_sync as weight_sync_module
 from megatron_rl.rollout.broadcast import open_listener
+from megatron_rl.rollout.faults import draw, with_faults
 from tests.rollout_faults import echo_response, echo_specs
 from tests.rollout_reference import request
 
@@ -108,6 +109,22 @@ def test_worker_hung_in_a_broadcast_sync_is_restarted_and_given_the_weights(tmp_
         assert pool.weight_version == 1 and sum(s.restarts for s in pool.status()) == 1
         reqs = _requests(6)
         _check_exactly_once(list(pool.generate(reqs)), reqs, version=1)
+    finally:
+        pool.shutdown()
+
+
+def test_seeded_faults_change_restarts_never_results(tmp_path):
+    """``rollout.faults`` (the chaos tool's injector): seed 6 hangs the worker on r6 and
+    crashes it on r10, once each; every request is still answered once, with the same result."""
+    specs = with_faults(echo_specs(tmp_path, 2), hang=0.1, crash=0.1, seed=6, marker_dir=tmp_path / "markers")
+    assert [i for i in range(12) if draw(6, f"r{i}") < 0.2] == [6, 10]
+    pool = WorkerPool(specs, max_batch_size=3, request_timeout_s=TIMEOUT_S, start_timeout_s=120)
+    try:
+        reqs = _requests()
+        _check_exactly_once(list(pool.generate(reqs)), reqs)
+        assert sum(s.restarts for s in pool.status()) == 2
+        _check_exactly_once(list(pool.generate(reqs)), reqs)  # faults fire once per request id
+        assert sum(s.restarts for s in pool.status()) == 2
     finally:
         pool.shutdown()
 

@@ -6,6 +6,12 @@ fallback), weight sync from the trainer, version bookkeeping, supervision of wor
     for result in engine.generate(requests): ...          # completion order, once per request
     save_hf_checkpoint(model, spec, snap_dir, source_dir=hf_dir)   # trainer, after a step
     engine.update_weights(str(snap_dir), version=step)
+
+Modules: `pool` (WorkerPool, the engine), `dispatch` (one generate call: chunks, exactly-once
+results), `supervision` (processes: death, hang by rollout.request_timeout_s, restarts),
+`weight_sync` + `broadcast` (snapshot reloads, the broadcast group), `worker` (the worker
+process and its messages), `hf_worker` / `vllm_worker` (backends), `faults` (seeded fault
+injection for chaos runs), `settings`, `types`, `sampling`.
 """
 
 from megatron_rl.rollout.engine import build_engine
