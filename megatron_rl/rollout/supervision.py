@@ -95,6 +95,7 @@ class WorkerHandle:
     in_flight: dict[str, GenerationRequest] = field(default_factory=dict)
     last_heard: float = 0.0  # time.monotonic() of its last message (or of work given while idle)
     failure: str = ""  # how it last died: "exit code N" or "hung ..."
+    recv_error: BaseException | None = None  # the last message that could not be read
     restarts: int = 0
     reissued: int = 0
 
@@ -152,7 +153,7 @@ class Supervisor:
         handles = {w.conn: w for w in workers} | {w.process.sentinel: w for w in workers}
         ready = dict.fromkeys(handles[h] for h in wait(list(handles), timeout=timeout))
         for w in ready:
-            while (message := _try_recv(w.conn)) is not None:
+            while (message := _try_recv(w)) is not None:
                 w.last_heard = time.monotonic()
                 yield w, message
             if not w.process.is_alive():
@@ -166,7 +167,8 @@ class Supervisor:
                 yield w, None
 
     def _kill_hung(self, w: WorkerHandle, now: float) -> None:
-        unsent = f"; a command could not be written to it: {w.sender.error}" if w.sender.error else ""
+        unsent = f"; a command could not be written to it: {w.sender.error!r}" if w.sender.error else ""
+        unsent += f"; a message from it could not be read: {w.recv_error!r}" if w.recv_error else ""
         w.failure = (f"hung: no answer for {now - w.last_heard:.1f} s with requests {sorted(w.in_flight)[:8]} "
                      f"in flight (rollout.request_timeout_s={self.request_timeout_s}){unsent}")
         w.process.kill()
@@ -196,6 +198,7 @@ class Supervisor:
         """Replace the dead process of ``w`` with a new one running the current version."""
         w.sender.close()
         w.conn.close()
+        w.recv_error = None
         w.restarts += 1
         self._spawn(w)
         self._await_ready(w)
@@ -218,7 +221,7 @@ class Supervisor:
             w.process.join(STOP_GRACE_S)
             raise RolloutWorkerError(f"rollout worker {w.spec.index} not ready after {self.start_timeout_s} s "
                                      "(rollout.start_timeout_s)")
-        message = _try_recv(w.conn)
+        message = _try_recv(w)
         if isinstance(message, Ready):
             assert message.version == self.version, (message.version, self.version)
             return
@@ -230,11 +233,13 @@ class Supervisor:
         raise RolloutWorkerError(f"rollout worker {w.spec.index} ({w.spec.device}) failed to start:\n{error}")
 
 
-def _try_recv(conn) -> object | None:
-    """The next whole message on ``conn``, or None if there is none (or only a torn one)."""
+def _try_recv(w: WorkerHandle) -> object | None:
+    """The next whole message from ``w``, or None if there is none (or only a torn one, kept
+    in ``w.recv_error`` for the failure message: the worker is then found dead or hung)."""
     try:
-        return conn.recv() if conn.poll() else None
-    except (EOFError, OSError, pickle.UnpicklingError):  # a torn message from a dying worker
+        return w.conn.recv() if w.conn.poll() else None
+    except (EOFError, OSError, pickle.UnpicklingError) as err:  # e.g. a torn message from a dying worker
+        w.recv_error = err
         return None
 
 
