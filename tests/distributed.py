@@ -15,6 +15,7 @@ import queue as queue_lib
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,3 +86,25 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     if errors:
         raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """Local addresses ("ip:port", hex as in /proc/net) of the TCP sockets ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile (e.g. a listdir's own fd)
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1])
+    return found
+
+
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1, as /proc writes them

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from megatron_rl.rollout import RolloutWorkerError, WorkerPool
 from megatron_rl.rollout import weight_sync as weight_sync_module
 from megatron_rl.rollout.broadcast import open_listener
 from megatron_rl.rollout.faults import draw, with_faults
+from tests.distributed import listening_addresses
 from tests.rollout_faults import echo_response, echo_specs
 from tests.rollout_reference import request
 
@@ -147,25 +147,6 @@ def test_failed_collective_is_raised_with_its_cause(tmp_path, monkeypatch):
         pool.shutdown()
 
 
-def _listening(pid: int) -> set[str]:
-    """Local addresses ("ip:port", hex as in /proc/net) of the TCP sockets ``pid`` listens on."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:  # closed meanwhile (e.g. a listdir's own fd)
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                found.add(fields[1])
-    return found
-
-
 def test_broadcast_group_listens_on_the_configured_address_only(tmp_path):
     assert open_listener("127.0.0.1").getsockname()[0] == "127.0.0.1"
     with pytest.raises(ValueError, match="rollout.sync_address"):
@@ -174,7 +155,7 @@ def test_broadcast_group_listens_on_the_configured_address_only(tmp_path):
     try:
         pool.update_weights_from_tensors([("w", torch.ones(3))], version=1)  # the group stays up
         pids = [os.getpid(), *(s.pid for s in pool.status())]
-        addresses = set().union(*(_listening(pid) for pid in pids))
+        addresses = set().union(*(listening_addresses(pid) for pid in pids))
         assert addresses, "the sync group should hold listening sockets"
         loopback = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1, as /proc writes them
         assert all(a.startswith(loopback) for a in addresses), addresses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,13 +55,7 @@ def initialize_parallel(
 
     plat = setup_platform(platform)
     if not dist.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(plat.dist_backend, timeout=timedelta(seconds=timeout_s))
+        _init_default_group(plat.dist_backend, timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     dp = check_world(world, tp, pp)
     if parallel_state.model_parallel_is_initialized():
@@ -94,9 +89,25 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_default_group(backend: str, timeout: timedelta) -> None:
+    """The default process group, opening no listener on all interfaces: one process uses an
+    in-memory store; under torchrun / msrun the launcher's agent store; otherwise (a launcher
+    that only sets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE) rank 0 binds the store's
+    socket to MASTER_ADDR itself (a plain TCPStore would listen on every interface)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, host, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listener = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen()
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                          master_listen_fd=listener.detach() if listener is not None else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import queue
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl.control import GroupSizeController
@@ -93,9 +94,11 @@ class BatchSummary:
     trained_prompt_tokens: int  # each kept group's prompt counted once (shared-prompt packing)
     reward_mean: float  # mean task reward over every sample of the step, dropped groups included
     wait_s: float  # time the consumer spent blocked on the queue during this step
+    extra_metrics: dict[str, float] = field(default_factory=dict)  # e.g. data/..., reward/... counters
 
 
-def summarize(batch: StepBatch, new_version: int, wait_s: float) -> BatchSummary:
+def summarize(batch: StepBatch, new_version: int, wait_s: float,
+              extra_metrics: dict[str, float] | None = None) -> BatchSummary:
     """The ``BatchSummary`` of a finished ``StepBatch``."""
     kept_groups = [g for g in batch.groups if g.kept]
     kept = [s for g in kept_groups for s in g.samples]
@@ -107,7 +110,7 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float) -> BatchSummary
         trained_groups=len(kept_groups), trained_responses=len(kept),
         trained_response_tokens=sum(len(s.response_ids) for s in kept),
         trained_prompt_tokens=sum(len(g.samples[0].prompt_ids) for g in kept_groups),
-        reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s,
+        reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s, extra_metrics=dict(extra_metrics or {}),
     )
 
 
@@ -118,10 +121,11 @@ class Pipeline:
         self, *, engine: RolloutEngine, prompts: PromptSource, reward_fn: RewardCallable, detokenize: Detokenize,
         controller: GroupSizeController, sampling: SamplingSettings, scoring: GroupScoring,
         settings: PipelineSettings, num_steps: int, start_step: int = 0, record: str | Path | None = None,
-        replay: str | Path | None = None,
+        replay: str | Path | None = None, extra_metrics: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
-        a file instead of generating (``engine`` is then a ``recording.NullEngine``)."""
+        a file instead of generating (``engine`` is then a ``recording.NullEngine``);
+        ``extra_metrics``: counters added to every step's summary (data skipped, reward failures)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.settings, self._engine = settings, engine
@@ -141,6 +145,7 @@ class Pipeline:
                 start_step=start_step, num_steps=num_steps, seed=settings.seed, poll_s=settings.poll_s,
                 record=self._recorder,
             )
+        self._extra_metrics = extra_metrics or dict
         self._current: StepBatch | None = None
         self._wait_s = 0.0
         self._started = self._closed = False
@@ -204,7 +209,7 @@ class Pipeline:
         publish that version to the producer; return the step's summary."""
         if batch is not self._current:
             raise PipelineError(f"complete() got step {batch.step}, which is not the step in progress")
-        summary = summarize(batch, new_version, self._wait_s)
+        summary = summarize(batch, new_version, self._wait_s, self._extra_metrics())
         if self._engine.weight_version != new_version:
             raise RuntimeError(f"the trainer synced version {new_version} but the engine runs "
                                f"{self._engine.weight_version}: sync_weights must call engine.update_weights")

@@ -67,6 +67,7 @@ def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]
         "train/overlapped_micro_batches": float(s.overlapped_micro_batches),
         "train/version": float(s.new_version),
         **end.control_metrics,  # already named control/...
+        **s.extra_metrics,  # data/..., reward/... counters
     }
 
 

@@ -19,11 +19,10 @@ import torch.distributed as dist
 from megatron_rl.config import Config, ConfigError, validate_world
 from megatron_rl.config.errors import Problem
 from megatron_rl.control import GroupSizeController, load_controller
-from megatron_rl.data import PromptStream, load_records, tokenize_records
+from megatron_rl.data import PromptStream, load_prompts
 from megatron_rl.parallel.state import initialize_parallel
 from megatron_rl.pipeline import Pipeline
 from megatron_rl.pipeline.recording import NullEngine
-from megatron_rl.rewards import load_reward_fn
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
@@ -105,24 +104,29 @@ def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeControlle
 
 
 def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None) -> Pipeline:
-    """Prompts, reward, controller and sampling wired into the producer/consumer pipeline
-    (continuing a checkpoint's prompt stream, controller state and step count when resuming)."""
+    """Prompts, guarded reward, controller and sampling wired into the producer/consumer pipeline
+    (continuing a checkpoint's prompt stream, controller state and step count when resuming).
+    What the data loader skipped is printed once; the pipeline's ``extra_metrics`` reports the
+    data and reward-guard counters every step."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     d = cfg.data
-    records = load_records(d.source, prompt_key=d.prompt_key, answer_key=d.answer_key, size=d.size, seed=d.seed)
-    prompts = tokenize_records(records, tokenizer, chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens)
-    stream = PromptStream(prompts.prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
+    prompts, report = load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                   chat_template=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                   size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows)
+    print(report.summary(), flush=True)
+    stream = PromptStream(prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
     if resume and resume.prompt_stream:
         stream.load_state_dict(resume.prompt_stream)
-    start = resume.step if resume else 0
+    start, reward = (resume.step if resume else 0), from_config.reward_fn(cfg)
     return Pipeline(
-        engine=engine, prompts=stream, reward_fn=load_reward_fn(cfg.reward.fn),
+        engine=engine, prompts=stream, reward_fn=reward,
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         controller=build_controller(cfg, resume), sampling=from_config.sampling_settings(cfg, tokenizer),
         scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
         num_steps=cfg.trainer.steps - start, start_step=start, record=cfg.rollout.record,
+        extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()},
     )
 
 
