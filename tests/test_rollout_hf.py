@@ -101,7 +101,7 @@ def test_bad_requests_and_settings(engine, hf_dir):
         engine.generate([request("a", (1,)), request("a", (2,))])
     with pytest.raises(ValueError, match="rollout.devices"):
         build_engine(EngineSettings(model_path=str(hf_dir), num_workers=2, devices=("cpu:0",)))
-    with pytest.raises(ValueError, match="rollout.backend"):
+    with pytest.raises(ValueError, match="rollout.engine"):
         build_engine(EngineSettings(backend="sglang", model_path=str(hf_dir)))
     with pytest.raises(ValueError, match="version=0 must exceed"):
         engine.update_weights(str(hf_dir), version=0)

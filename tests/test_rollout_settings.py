@@ -26,17 +26,17 @@ def test_parse_device_rejects(text):
 
 
 @pytest.mark.parametrize(("changes", "field"), [
-    ({"backend": "sglang"}, "rollout.backend"),
+    ({"backend": "sglang"}, "rollout.engine"),
     ({"dtype": "int8"}, "rollout.dtype"),
-    ({"num_workers": 0}, "rollout.num_workers"),
+    ({"num_workers": 0}, "rollout.num_engines"),
     ({"max_batch_size": 0}, "rollout.max_batch_size"),
     ({"max_restarts": -1}, "rollout.max_restarts"),
     ({"num_workers": 2, "devices": ("cpu:0",)}, "rollout.devices"),
     ({"backend": "vllm", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
     ({"backend": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices\[0\]"),
     ({"tensor_parallel_size": 2, "devices": ("cuda:0,1",)}, "rollout.tensor_parallel_size"),
-    ({"model_path": "/nonexistent/model"}, "rollout.model_path"),
-    ({"vllm_kwargs": {"max_model_len": 64}}, "rollout.vllm_kwargs"),
+    ({"model_path": "/nonexistent/model"}, "model.hf_path"),
+    ({"vllm_kwargs": {"max_model_len": 64}}, "rollout.vllm is set"),
 ])
 def test_settings_errors_name_the_field(tmp_path, changes, field):
     settings = EngineSettings(**{"model_path": str(tmp_path)} | changes)

@@ -85,9 +85,11 @@ class KLConfig:
 class RolloutCorrectionConfig:
     """Engine vs trainer log-prob correction, TRL's vllm_importance_sampling_* (algorithms/correction.py)."""
 
-    # none | token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's default);
-    # ppo_decoupled takes none or a *_mask mode (its behaviour weight is the importance weight)
-    mode: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "sequence_mask"
+    # none | token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's default; use it
+    # with bf16 / vLLM engines). none by default: an fp32 engine matches the trainer to ~1e-7 and a
+    # weight of 1 ± 1e-6 would only add noise (and break exact periodic == sync equivalence).
+    # ppo_decoupled takes none or a *_mask mode (its behaviour weight is the importance weight).
+    mode: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     c_min: float | None = None  # lower bound C_min of the ratio π_trainer/π_behav; None = unbounded
     c_max: float | None = 3.0  # upper bound C_max of the ratio; None = unbounded
     delta: float | None = None  # DeepSeek-V3.2 off-policy masking: drop A<0 sequences with KL > delta
@@ -142,7 +144,9 @@ class RolloutConfig:
 
     engine: Literal["vllm", "hf"] = "hf"  # vllm (or vllm-ascend), or the embedded CPU/HF engine
     num_engines: int = 1  # number of engine processes
-    devices: list[str] = field(default_factory=list)  # e.g. ["cuda:4", "cuda:5"]; [] = engine default
+    # One device string per engine: "cpu", "cpu:1" / "cpu:0-3" (pinned cores), "cuda:4" or, for an
+    # engine with tensor_parallel_size 2, "cuda:4,5"; "npu:0,1" likewise. [] = unpinned CPU engines.
+    devices: list[str] = field(default_factory=list)
     tensor_parallel_size: int = 1  # TP size inside each engine
     # Engine weights and compute dtype; None = model.dtype. A bf16 engine with an fp32 trainer
     # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
@@ -153,6 +157,7 @@ class RolloutConfig:
     # A worker with work in flight that sends nothing for this long is hung: killed, restarted,
     # its requests re-issued. Must exceed the slowest request (and weight load).
     request_timeout_s: float = 600.0
+    start_timeout_s: float = 600.0  # an engine not ready this long after its start (model load) is an error
     max_restarts: int = 3  # worker failures (deaths, hangs) tolerated per engine call; then an error
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
     # Write every scored group (tokens, log-probs, rewards, versions) to this JSONL file, for

@@ -39,7 +39,7 @@ POSITIVE = (
     "algorithm.advantage.eps",
     "algorithm.temperature", "algorithm.behav_weight_cap", "control.sagc.eta",
     "control.sagc.lambda_max", "control.sagc.prior_alpha", "control.sagc.prior_beta",
-    "rollout.request_timeout_s", "reward.timeout_s",
+    "rollout.request_timeout_s", "rollout.start_timeout_s", "reward.timeout_s",
 )
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
@@ -276,14 +276,28 @@ def check_checkpointing(cfg: Config) -> Found:
 
 
 def check_rollout_devices(cfg: Config) -> Found:
-    """An explicit device list has one device per engine TP rank."""
+    """One device string per engine, naming one device per engine TP rank (the format of
+    ``rollout/settings.parse_device``): ``["cuda:0,1", "cuda:2,3"]`` for 2 engines at TP 2."""
+    from megatron_rl.rollout.settings import parse_device
+
     r = cfg.rollout
-    need = r.num_engines * r.tensor_parallel_size
-    if r.devices and len(r.devices) != need:
-        product = (
-            f"rollout.num_engines ({r.num_engines}) × rollout.tensor_parallel_size ({r.tensor_parallel_size})"
-        )
-        yield "rollout.devices", f"lists {len(r.devices)} devices but {product} = {need}; list {need} or none"
+    if r.engine == "hf" and r.tensor_parallel_size != 1:
+        yield "rollout.tensor_parallel_size", f"{r.tensor_parallel_size}, but the hf engine runs one device: use 1"
+    if r.devices and len(r.devices) != r.num_engines:
+        yield "rollout.devices", (f"lists {len(r.devices)} entries but rollout.num_engines = {r.num_engines}; give one "
+                                  "device string per engine, e.g. 'cuda:0,1' for an engine at tensor_parallel_size 2")
+        return
+    for i, text in enumerate(r.devices):
+        try:
+            device = parse_device(text, f"rollout.devices[{i}]")
+        except ValueError as err:
+            yield "rollout.devices", str(err)
+            continue
+        if device.kind == "cpu" and r.tensor_parallel_size != 1:
+            yield "rollout.tensor_parallel_size", f"{r.tensor_parallel_size} with CPU engine {text!r}: use 1 on CPU"
+        elif device.kind != "cpu" and len(device.ids) != r.tensor_parallel_size:
+            yield "rollout.devices", (f"[{i}] = {text!r} names {len(device.ids)} devices but "
+                                      f"rollout.tensor_parallel_size = {r.tensor_parallel_size}")
 
 
 def check_sync_address(cfg: Config) -> Found:

@@ -126,8 +126,8 @@ class Pipeline:
         """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
         a file instead of generating (``engine`` is then a ``recording.NullEngine``);
         ``extra_metrics``: counters added to every step's summary (data skipped, reward failures)."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        if num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {num_steps}")
         self.settings, self._engine = settings, engine
         self._queue: queue.Queue[QueueItem] = queue.Queue(maxsize=settings.queue_size)
         base = engine.weight_version

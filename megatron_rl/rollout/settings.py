@@ -89,12 +89,13 @@ class EngineSettings:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field for any bad value."""
         if self.backend not in BACKENDS:
-            raise ValueError(f"rollout.backend={self.backend!r} must be one of {BACKENDS}")
+            raise ValueError(f"rollout.engine={self.backend!r} must be one of {BACKENDS}")
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {DTYPES}")
-        for name in ("num_workers", "tensor_parallel_size", "max_batch_size"):
+        for name, key in (("num_workers", "num_engines"), ("tensor_parallel_size", "tensor_parallel_size"),
+                          ("max_batch_size", "max_batch_size")):
             if getattr(self, name) < 1:
-                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+                raise ValueError(f"rollout.{key}={getattr(self, name)} must be >= 1")
         if self.weight_sync not in ("snapshot", "broadcast"):
             raise ValueError(f"rollout.weight_sync={self.weight_sync!r} must be 'snapshot' or 'broadcast'")
         for name in ("start_timeout_s", "request_timeout_s"):
@@ -104,8 +105,8 @@ class EngineSettings:
             raise ValueError(f"rollout.max_restarts={self.max_restarts} must be >= 0")
         if self.devices and len(self.devices) != self.num_workers:
             raise ValueError(
-                f"rollout.devices has {len(self.devices)} entries but rollout.num_workers={self.num_workers}: "
-                "give one device string per worker"
+                f"rollout.devices has {len(self.devices)} entries but rollout.num_engines={self.num_workers}: "
+                "give one device string per engine"
             )
         for i, dev in enumerate(self._assignments()):
             if dev.kind == "cpu" and self.tensor_parallel_size != 1:
@@ -118,4 +119,4 @@ class EngineSettings:
                     f"rollout.tensor_parallel_size={self.tensor_parallel_size}"
                 )
         if self.backend == "hf" and self.tensor_parallel_size != 1:
-            raise ValueError("rollout.tensor_parallel_size must be 1 with rollout.backend='hf'")
+            raise ValueError("rollout.tensor_parallel_size must be 1 with rollout.engine='hf'")

@@ -39,7 +39,7 @@ class VLLMBackend:
     def __init__(self, spec: WorkerSpec):
         reserved = sorted(set(spec.backend_kwargs) & set(RESERVED_KWARGS))
         if reserved:
-            raise ValueError(f"rollout.vllm_kwargs may not set {reserved}: the engine sets them itself")
+            raise ValueError(f"rollout.vllm may not set {reserved}: the engine sets them itself")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self._device_kind = spec.device.kind
         if spec.device.kind == "cpu":

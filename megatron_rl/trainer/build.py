@@ -22,6 +22,8 @@ class TrainerSettings:
     ref_path: str | None = None  # reference model checkpoint (default: the initial policy)
     params_dtype: torch.dtype = torch.float32
     attention_backend: str = "auto"
+    make_vocab_size_divisible_by: int = 128  # model.make_vocab_size_divisible_by
+    megatron_overrides: dict | None = None  # model.megatron: pass-through TransformerConfig fields
     loss: LossSettings
     optim: OptimSettings
     optimizer_steps_per_batch: int = 1
@@ -35,7 +37,9 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
 
     The parallel state must be initialised (``megatron_rl.parallel.state.initialize_parallel``).
     """
-    build = {"params_dtype": settings.params_dtype, "attention_backend": settings.attention_backend}
+    build = {"params_dtype": settings.params_dtype, "attention_backend": settings.attention_backend,
+             "make_vocab_size_divisible_by": settings.make_vocab_size_divisible_by,
+             "megatron_overrides": settings.megatron_overrides}
     policy, spec = load_model_from_hf(settings.hf_path, **build)
     ddp, optimizer = wrap_for_training(policy, settings.optim)
     plan = plan_trimodel(settings.loss, optimizer_steps_per_batch=settings.optimizer_steps_per_batch,
