@@ -60,9 +60,9 @@ def _load(tmp_path: Path, overrides=()):
     return load_config(path, overrides, hf_config=SMOLLM2)
 
 
-def test_config_defaults_are_trls_and_reach_the_loss_settings(tmp_path):
+def test_config_defaults_reach_the_loss_settings(tmp_path):
     s = loss_settings(_load(tmp_path))
-    assert s.correction == RolloutCorrection(mode="sequence_mask", c_min=None, c_max=3.0, delta=None)
+    assert s.correction == RolloutCorrection(mode="none", c_min=None, c_max=3.0, delta=None)
     assert s.mismatch_alarm == MismatchAlarm(kl_k3=0.05, action="warn")
     s = loss_settings(_load(tmp_path, [
         "algorithm.rollout_correction.mode=token_truncate", "algorithm.rollout_correction.c_min=0.5",

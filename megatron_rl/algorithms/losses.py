@@ -76,8 +76,7 @@ class LossSettings:
     proximal: ProximalMode = "recompute"  # ppo_decoupled: old-policy forward or A-3PO
     behav_weight_cap: float | None = None  # ppo_decoupled: drop tokens with π_prox/π_behav > cap
     max_response_len: int | None = None  # dr_grpo: the constant length normaliser
-    # Rollout importance-sampling correction; "none" here, the config default is TRL's
-    # sequence_mask with C_max = 3 (algorithm.rollout_correction).
+    # Rollout importance-sampling correction (algorithm.rollout_correction); "none" = measure only.
     correction: RolloutCorrection = RolloutCorrection()
     mismatch_alarm: MismatchAlarm | None = None  # gate the trainer applies before the optimizer step
 
