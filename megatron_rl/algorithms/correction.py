@@ -35,9 +35,10 @@ in the loss denominator (TRL, AReaL). For ``ppo_decoupled`` the decoupled behavi
 multiplying a second ratio would count the correction twice. There the correction only
 *masks*: the tokens / sequences a ``*_mask`` mode or δ drops are removed, the behaviour
 weight is kept as the one weight (bounded by ``behav_weight_cap``), and ``*_truncate`` modes
-are refused (bound the behaviour weight with ``behav_weight_cap`` instead). In stale mode the
-ratio also holds the drift of d policy versions, so the masks drop sequences the current
-policy has moved too far from, as DeepSeek's off-policy masking intends.
+are refused (bound the behaviour weight with ``behav_weight_cap`` instead). Only tokens sampled
+by the weights the trainer holds (staleness 0) have a same-weights comparison: ``policy_loss``
+passes them alone as the mask here, and stale tokens (stale mode, d ≥ 1) are neither measured
+nor corrected; the decoupled behaviour weight owns them.
 
 Metrics (``MismatchMetrics``, over counted tokens, mergeable like ``LossMetrics``):
 ``logprob_abs_diff_mean / max`` of |log π_trainer − log π_behav|, ``kl_k3`` the token mean of
