@@ -104,7 +104,7 @@ def test_on_policy_batches_carry_one_version(mode):
 @pytest.mark.parametrize("k", [1, 2])
 def test_stale_mode_runs_ahead_within_the_bound(k):
     engine = FakeEngine(delay_s=0.0005)
-    trainer, reports = run(engine, steps=5, mode="stale", max_staleness=k, trainer_sleep=0.01)
+    trainer, reports = run(engine, steps=5, mode="stale", max_staleness=k, trainer_sleep=0.03)  # outlasts generation
     for step, version in engine.calls:
         assert version >= step - k  # generation of batch t starts at a version >= t - k
     assert max(step - version for step, version in engine.calls) == k  # it did run ahead

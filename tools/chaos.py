@@ -1,0 +1,183 @@
+"""Chaos run: a short CPU training under random faults, stopped by SIGTERM and resumed.
+
+    python tools/chaos.py [--steps 6] [--seed 0] [--out DIR]
+
+On a tiny random model with two hf engine workers: seeded per step, a worker is killed
+(SIGKILL) or hung (SIGSTOP: alive but silent, found by ``rollout.request_timeout_s``) in the
+middle of a batch, and the reward function raises for some samples (scored 0 and counted by
+the reward guard). The same seeded faults hit two runs: one left alone, one sent SIGTERM after
+its second step (it stops after the step in progress with a checkpoint) and then resumed from
+that checkpoint. Prints one JSON line:
+
+    {"steps", "samples_expected", "samples_trained", "duplicates", "lost", "resumed_equal", ...}
+
+``duplicates`` / ``lost``: engine answers given twice / never, over every step of both runs;
+``resumed_equal``: the stopped-and-resumed run ends with the uninterrupted run's weights, within
+1e-5 relative (``resumed_max_rel_diff``): in periodic mode the gradient of a step is summed in
+the groups' arrival order, which the faults change, so the two runs agree to float rounding.
+Exit status 1 unless lost = duplicates = 0, every sample was trained and resumed_equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+from megatron_rl.rollout.wrapper import EngineWrapper
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS, GROUP = 3, 4
+RESUME_RTOL = 1e-5
+
+
+def flaky_reward(record, response_text: str) -> float:
+    """Share of digits in the response; raises for ~15% of (prompt, response) pairs (deterministic)."""
+    key = f"{getattr(record, 'prompt_id', '')}|{response_text}".encode()
+    if hashlib.blake2b(key, digest_size=2).digest()[0] < 38:
+        raise ValueError("chaos: this reward function failed")
+    return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
+
+
+class ChaosEngine(EngineWrapper):
+    """A real engine pool; in steps picked by ``seed`` one worker is killed or hung mid-batch.
+    Every answer's request id is appended to ``answers_file`` (one per line)."""
+
+    def __init__(self, inner, seed: int, answers_file: Path) -> None:
+        super().__init__(inner)
+        self.seed, self.answers_file = seed, answers_file
+
+    def generate(self, requests):
+        step = int(requests[0].request_id.split("/")[0])
+        fault = random.Random(f"{self.seed}:{step}").choice(["kill", "hang", None])
+        with self.answers_file.open("a") as log:
+            for n, result in enumerate(self.inner.generate(requests)):
+                if n == 2 and fault is not None:
+                    victim = self.inner.status()[step % len(self.inner.status())].pid
+                    os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                log.write(result.request_id + "\n")
+                log.flush()
+                yield result
+
+
+def _train(config: str, overrides: list[str], seed: int, answers_file: str) -> None:
+    """One training process (spawned): chaos engine, the tools dir importable for the reward."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout import build_engine
+    from megatron_rl.trainer.loop import train
+
+    train(load_config(config, overrides), platform="cpu",
+          engine_factory=lambda s: ChaosEngine(build_engine(s), seed, Path(answers_file)))
+
+
+def _spawn(config, overrides, seed, answers, sigterm_after_steps: int | None = None, log_dir=None) -> int:
+    proc = mp.get_context("spawn").Process(target=_train, args=(config, overrides, seed, str(answers)))
+    proc.start()
+    if sigterm_after_steps is not None:
+        metrics = Path(log_dir) / "metrics.jsonl"
+        while proc.is_alive() and (not metrics.exists() or metrics.read_text().count("\n") < sigterm_after_steps):
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+    proc.join()
+    return proc.exitcode
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for file in sorted(path.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+def _write_config(tmp: Path, steps: int) -> Path:
+    from megatron_rl.models.synthetic import write_char_llama
+
+    model = write_char_llama(tmp / "model", hidden=64, layers=2, heads=2, kv_heads=2, seed=0)
+    cfg = {
+        "model": {"hf_path": str(model), "dtype": "float32"},
+        "attention": {"backend": "split"},
+        "rollout": {"engine": "hf", "num_engines": 2, "max_batch_size": 4, "request_timeout_s": 5.0,
+                    "max_restarts": 4, "sampling": {"max_new_tokens": 8, "seed": 3}},
+        "pipeline": {"mode": "periodic", "micro_batch_tokens": 256},
+        "control": {"kind": "fixed", "group_size": GROUP},
+        "data": {"source": "reasoning_gym:basic_arithmetic", "size": 32, "seed": 1, "chat_template": False,
+                 "max_prompt_tokens": 200},
+        "reward": {"fn": "chaos:flaky_reward"},
+        "trainer": {"steps": steps, "prompts_per_batch": PROMPTS, "lr": 1e-2, "adam_eps": 1e-3, "seed": 5},
+    }
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _trained(log_dir: Path) -> tuple[int, int]:
+    """(steps logged, samples trained) from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return len(rows), int(sum(r["train/responses"] for r in rows))
+
+
+def _answer_counts(path: Path, steps: range) -> tuple[int, int]:
+    """(duplicates, lost) among one process's engine answers for the steps it trained."""
+    ids = Counter(path.read_text().split()) if path.exists() else Counter()
+    duplicates = sum(n - 1 for n in ids.values() if n > 1)
+    per_step = Counter(rid.split("/")[0] for rid in ids)
+    lost = sum(max(0, PROMPTS * GROUP - per_step[str(t)]) for t in steps)
+    return duplicates, lost
+
+
+def run(steps: int, seed: int, tmp: Path) -> dict:
+    config = str(_write_config(tmp, steps))
+    a, b = tmp / "uninterrupted", tmp / "stopped"
+    _spawn(config, [f"trainer.save_dir={a}", f"trainer.log_dir={a}/logs"], seed, tmp / "answers_a.txt")
+    _spawn(config, [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs"], seed, tmp / "answers_b1.txt",
+           sigterm_after_steps=2, log_dir=b / "logs")
+    stopped_at = max(int(p.name.split("_")[1]) for p in b.glob("step_*"))
+    _spawn(config, [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs", f"trainer.resume_from={b}/step_{stopped_at}"],
+           seed, tmp / "answers_b2.txt")
+    segments = {"answers_a.txt": range(steps), "answers_b1.txt": range(stopped_at),
+                "answers_b2.txt": range(stopped_at, steps)}
+    counts = [_answer_counts(tmp / name, rng) for name, rng in segments.items()]
+    logged = [_trained(a / "logs"), _trained(b / "logs")]
+    wa, wb = _weights(a / f"step_{steps}" / "model"), _weights(b / f"step_{steps}" / "model")
+    gap = max(((wa[k] - wb[k]).abs().max() / wa[k].abs().max()).item() for k in wa)
+    return {
+        "steps": steps, "samples_expected": 2 * steps * PROMPTS * GROUP,
+        "samples_trained": sum(n for _, n in logged), "duplicates": sum(d for d, _ in counts),
+        "lost": sum(n for _, n in counts), "resumed_equal": gap <= RESUME_RTOL, "resumed_max_rel_diff": gap,
+        "stopped_at_step": stopped_at, "steps_logged": [n for n, _ in logged],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error("--steps must be >= 3 (SIGTERM comes after step 2)")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="megatron_rl-chaos-") as scratch:
+        tmp = args.out or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        report = run(args.steps, args.seed, tmp)
+    print(json.dumps(report))
+    ok = (report["lost"] == 0 and report["duplicates"] == 0 and report["resumed_equal"]
+          and report["samples_trained"] == report["samples_expected"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
