@@ -73,6 +73,14 @@ def test_config_defaults_reach_the_loss_settings(tmp_path):
     assert s.mismatch_alarm.logprob_abs_diff_mean == 0.02 and s.mismatch_alarm.action == "stop"
 
 
+def test_engine_dtype_defaults_to_the_model_dtype(tmp_path):
+    from megatron_rl.trainer.from_config import engine_settings
+
+    assert engine_settings(_load(tmp_path, ["model.dtype=float32"])).dtype == "float32"
+    bf16_engine = _load(tmp_path, ["model.dtype=float32", "rollout.dtype=bfloat16"])
+    assert engine_settings(bf16_engine).dtype == "bfloat16" and bf16_engine.model.dtype == "float32"
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["algorithm.rollout_correction.c_min=3.0"], "algorithm.rollout_correction.c_min"),
     (["algorithm.rollout_correction.c_max=0"], "algorithm.rollout_correction.c_max"),
@@ -186,9 +194,9 @@ def test_engines_report_the_sampled_from_distribution(tmp_path, backend):
     hf_dir = make_tiny_hf(tmp_path / "qwen2", "qwen2", seed=3, layers=2)
     extra = {}
     if backend == "vllm":
-        extra = dict(devices=(f"cpu:{max(os.sched_getaffinity(0))}",), vllm_kwargs={"max_model_len": 128},
+        extra = dict(devices=(f"cpu:{max(os.sched_getaffinity(0))}",), vllm={"max_model_len": 128},
                      worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    engine = build_engine(EngineSettings(backend=backend, model_path=str(hf_dir), num_workers=1, **extra))
+    engine = build_engine(EngineSettings(engine=backend, dtype="float32", model_path=str(hf_dir), **extra))
     try:
         reqs = [request(f"r{i}", p, temperature=0.8, top_p=0.7, max_new=8, seed=20 + i)
                 for i, p in enumerate(ENGINE_PROMPTS)]
