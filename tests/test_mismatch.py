@@ -76,9 +76,29 @@ def test_config_defaults_reach_the_loss_settings(tmp_path):
 def test_engine_dtype_defaults_to_the_model_dtype(tmp_path):
     from megatron_rl.trainer.from_config import engine_settings
 
-    assert engine_settings(_load(tmp_path, ["model.dtype=float32"])).dtype == "float32"
+    def engine_dtype(cfg):  # resolved by EngineSettings.engine_dtype (or already in .dtype)
+        s = engine_settings(cfg)
+        return getattr(s, "engine_dtype", None) or s.dtype
+
+    assert engine_dtype(_load(tmp_path, ["model.dtype=float32"])) == "float32"
     bf16_engine = _load(tmp_path, ["model.dtype=float32", "rollout.dtype=bfloat16"])
-    assert engine_settings(bf16_engine).dtype == "bfloat16" and bf16_engine.model.dtype == "float32"
+    assert engine_dtype(bf16_engine) == "bfloat16" and bf16_engine.model.dtype == "float32"
+
+
+def test_bench_mismatch_runs_and_an_fp32_hf_engine_matches_after_the_sync(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "tools" / "bench_mismatch.py"), "--tiny", "--engine", "hf", "--groups", "2",
+         "--group-size", "2", "--max-new-tokens", "6"],
+        cwd=root, capture_output=True, text=True, timeout=600, check=True,
+    )
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["synced"] and line["weight_version"] == 1 and line["sequences"] == 4
+    assert line["mismatch/logprob_abs_diff_mean"] <= 1e-5 and line["mismatch/masked_fraction"] == 0.0
 
 
 @pytest.mark.parametrize("overrides, key", [
