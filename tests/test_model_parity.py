@@ -79,16 +79,17 @@ def test_logits_and_logprobs_match_hf(checkpoints, input_ids, tmp_path, tp, pp):
 
 
 def _train_step_worker(tp, path, input_ids):
+    from megatron_rl.config.schema import TrainerConfig
     from megatron_rl.models import export_hf_tensors, load_model_from_hf
     from megatron_rl.parallel.schedule import run_schedule
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs
-    from megatron_rl.trainer.optim import OptimSettings, wrap_for_training
+    from megatron_rl.trainer.optim import wrap_for_training
 
     initialize_parallel(tp=tp, pp=1)
     model, spec = load_model_from_hf(path)
     # A large eps keeps Adam's first step (~lr * sign(g)) from amplifying rounding noise of ~0 grads.
-    ddp, optimizer = wrap_for_training(model, OptimSettings(lr=1e-2, grad_clip=0.5, adam_eps=1e-3))
+    ddp, optimizer = wrap_for_training(model, TrainerConfig(steps=1, lr=1e-2, grad_clip=0.5, adam_eps=1e-3))
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
 

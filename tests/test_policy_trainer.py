@@ -41,13 +41,14 @@ def make_groups(vocab: int):
 
 def _settings(path, kind):
     from megatron_rl.algorithms import LossSettings
+    from megatron_rl.config.schema import AttentionConfig, ModelConfig, TrainerConfig
     from megatron_rl.trainer.build import TrainerSettings
-    from megatron_rl.trainer.optim import OptimSettings
 
     # SGD-like Adam (large eps): the update is a smooth function of the gradient, so the
     # comparison tests the gradient, not Adam's sign() of near-zero entries.
-    return TrainerSettings(hf_path=path, attention_backend="split", loss=LossSettings(kind=kind, clip_high=0.28),
-                           optim=OptimSettings(lr=1e-2, adam_eps=1e-2, grad_clip=100.0))
+    return TrainerSettings(hf_path=path, model=ModelConfig(hf_path=path, dtype="float32"),
+                           attention=AttentionConfig(backend="split"), loss=LossSettings(kind=kind, clip_high=0.28),
+                           trainer=TrainerConfig(steps=1, lr=1e-2, adam_eps=1e-2, grad_clip=100.0))
 
 
 def _trained_weights(policy, spec):
@@ -85,7 +86,7 @@ def _reference_worker(path, kind):
     initialize_parallel(tp=1, pp=1)
     settings = _settings(path, kind)
     model, spec = load_model_from_hf(path, attention_backend=None)
-    ddp, optimizer = wrap_for_training(model, settings.optim)
+    ddp, optimizer = wrap_for_training(model, settings.trainer)
     ddp.zero_grad_buffer()
     terms, tokens, seqs = [], 0, 0
     for group in make_groups(spec.vocab_size):

@@ -33,8 +33,8 @@ def hf_dir(tmp_path_factory):
 def engine(hf_dir):
     cores = sorted(os.sched_getaffinity(0))
     devices = (f"cpu:{cores[0]}", f"cpu:{cores[-1]}")
-    eng = build_engine(EngineSettings(backend="hf", model_path=str(hf_dir), num_workers=2, devices=devices,
-                                      max_batch_size=3))
+    eng = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=str(hf_dir), num_engines=2,
+                                      devices=devices, max_batch_size=3))
     yield eng
     eng.shutdown()
 
@@ -42,7 +42,7 @@ def engine(hf_dir):
 @pytest.fixture(scope="module")
 def pristine_engine(hf_dir):
     """An engine no test syncs: it always runs the checkpoint's weights, whatever the test order."""
-    eng = build_engine(EngineSettings(backend="hf", model_path=str(hf_dir), num_workers=1, max_batch_size=3))
+    eng = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=str(hf_dir), max_batch_size=3))
     yield eng
     eng.shutdown()
 
@@ -100,9 +100,9 @@ def test_bad_requests_and_settings(engine, hf_dir):
     with pytest.raises(ValueError, match="request_id 'a'"):
         engine.generate([request("a", (1,)), request("a", (2,))])
     with pytest.raises(ValueError, match="rollout.devices"):
-        build_engine(EngineSettings(model_path=str(hf_dir), num_workers=2, devices=("cpu:0",)))
+        build_engine(EngineSettings(dtype="float32", model_path=str(hf_dir), num_engines=2, devices=("cpu:0",)))
     with pytest.raises(ValueError, match="rollout.engine"):
-        build_engine(EngineSettings(backend="sglang", model_path=str(hf_dir)))
+        build_engine(EngineSettings(dtype="float32", engine="sglang", model_path=str(hf_dir)))
     with pytest.raises(ValueError, match="version=0 must exceed"):
         engine.update_weights(str(hf_dir), version=0)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl.config.schema import SamplingConfig
 from megatron_rl.rollout import DeviceAssignment, EngineSettings, SamplingSettings, parse_device
 from megatron_rl.rollout.engine import worker_specs
 from megatron_rl.rollout.sampling import sample_next, top_p_mask
@@ -26,17 +27,17 @@ def test_parse_device_rejects(text):
 
 
 @pytest.mark.parametrize(("changes", "field"), [
-    ({"backend": "sglang"}, "rollout.engine"),
+    ({"engine": "sglang"}, "rollout.engine"),
     ({"dtype": "int8"}, "rollout.dtype"),
-    ({"num_workers": 0}, "rollout.num_engines"),
+    ({"num_engines": 0}, "rollout.num_engines"),
     ({"max_batch_size": 0}, "rollout.max_batch_size"),
     ({"max_restarts": -1}, "rollout.max_restarts"),
-    ({"num_workers": 2, "devices": ("cpu:0",)}, "rollout.devices"),
-    ({"backend": "vllm", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
-    ({"backend": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices\[0\]"),
+    ({"num_engines": 2, "devices": ("cpu:0",)}, "rollout.devices"),
+    ({"engine": "vllm", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
+    ({"engine": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices\[0\]"),
     ({"tensor_parallel_size": 2, "devices": ("cuda:0,1",)}, "rollout.tensor_parallel_size"),
     ({"model_path": "/nonexistent/model"}, "model.hf_path"),
-    ({"vllm_kwargs": {"max_model_len": 64}}, "rollout.vllm is set"),
+    ({"vllm": {"max_model_len": 64}}, "rollout.vllm is set"),
 ])
 def test_settings_errors_name_the_field(tmp_path, changes, field):
     settings = EngineSettings(**{"model_path": str(tmp_path)} | changes)
@@ -45,8 +46,9 @@ def test_settings_errors_name_the_field(tmp_path, changes, field):
 
 
 def test_worker_specs_one_per_device(tmp_path):
-    specs = worker_specs(EngineSettings(backend="vllm", model_path=str(tmp_path), num_workers=2,
-                                        devices=("cuda:0,1", "cuda:2,3"), tensor_parallel_size=2, seed=5))
+    specs = worker_specs(EngineSettings(dtype="float32", engine="vllm", model_path=str(tmp_path), num_engines=2,
+                                        devices=("cuda:0,1", "cuda:2,3"), tensor_parallel_size=2,
+                                        sampling=SamplingConfig(seed=5)))
     assert [(s.index, s.device.ids, s.seed) for s in specs] == [(0, (0, 1), 5), (1, (2, 3), 6)]
 
 

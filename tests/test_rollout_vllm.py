@@ -41,9 +41,10 @@ def hf_dir(tmp_path_factory):
 
 def vllm_settings(hf_dir, **extra) -> EngineSettings:
     return EngineSettings(
-        backend="vllm", model_path=str(hf_dir), num_workers=1, devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
+        engine="vllm", dtype="float32", model_path=str(hf_dir), num_engines=1,
+        devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
         max_batch_size=4, worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        vllm_kwargs={"max_model_len": 128}, **extra,
+        vllm={"max_model_len": 128}, **extra,
     )
 
 

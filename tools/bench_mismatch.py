@@ -81,6 +81,7 @@ def bench(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from megatron_rl.algorithms import RolloutCorrection, rollout_correction
+    from megatron_rl.config.schema import SamplingConfig
     from megatron_rl.models import load_model_from_hf, save_hf_checkpoint
     from megatron_rl.parallel.state import destroy_parallel, initialize_parallel
     from megatron_rl.rollout import EngineSettings, GenerationRequest, SamplingSettings, build_engine
@@ -94,8 +95,8 @@ def bench(args: argparse.Namespace) -> dict:
     elif not (model_dir / "config.json").is_file():
         raise SystemExit(f"no checkpoint at {model_dir}: run `python tools/prepare_model.py`, or pass --tiny")
     # The engine first: its worker processes must not inherit this process's rendezvous variables.
-    engine = build_engine(EngineSettings(backend=args.engine, model_path=str(model_dir), dtype=args.engine_dtype,
-                                         seed=args.seed))
+    engine = build_engine(EngineSettings(engine=args.engine, model_path=str(model_dir), dtype=args.engine_dtype,
+                                         sampling=SamplingConfig(seed=args.seed)))
     try:
         initialize_parallel(tp=1, pp=1, seed=args.seed, platform="cpu")
         model, spec = load_model_from_hf(model_dir, params_dtype=torch.float32)

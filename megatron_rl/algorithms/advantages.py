@@ -17,11 +17,12 @@ no relative signal); a batch std of 0 likewise gives zeros.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, get_args, overload
+from typing import get_args, overload
 
 import torch
 
-AdvantageScale = Literal["group", "batch", "none"]
+from megatron_rl.config.schema import AdvantageScale
+
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
 
 

@@ -50,24 +50,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+from megatron_rl.config.schema import (
+    AlarmAction,
+    CorrectionMode,
+    MismatchAlarmConfig,
+    RolloutCorrectionConfig,
+)
+
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
-AlarmAction = Literal["warn", "stop"]
 ALARM_ACTIONS: tuple[str, ...] = get_args(AlarmAction)
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutCorrection:
-    """Rollout importance-sampling correction (TRL semantics) and off-policy masking."""
-
-    mode: CorrectionMode = "none"  # see the module docstring; TRL's default is sequence_mask
-    c_min: float | None = None  # lower bound C_min of the ratio; None = unbounded
-    c_max: float | None = 3.0  # upper bound C_max of the ratio; None = unbounded
-    delta: float | None = None  # off-policy sequence masking threshold δ; None = off
+class RolloutCorrection(RolloutCorrectionConfig):
+    """Rollout importance-sampling correction (TRL semantics) and off-policy masking: the
+    ``algorithm.rollout_correction`` section (mode, c_min, c_max, delta; declared once, in the
+    schema), checked for standalone use."""
 
     def __post_init__(self) -> None:
         if self.mode not in CORRECTION_MODES:
@@ -220,15 +222,9 @@ def mismatch_metrics(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MismatchAlarm:
-    """Thresholds on the ``mismatch/…`` metrics of an optimizer step; None = not checked."""
-
-    logprob_abs_diff_mean: float | None = None
-    logprob_abs_diff_max: float | None = None
-    kl_k3: float | None = None
-    seq_ratio_max: float | None = None
-    masked_fraction: float | None = None
-    action: AlarmAction = "warn"  # warn: log and step; stop: raise before the optimizer step
+class MismatchAlarm(MismatchAlarmConfig):
+    """Thresholds on the ``mismatch/…`` metrics of an optimizer step (None = not checked) and the
+    action: the ``algorithm.mismatch_alarm`` section (declared once, in the schema), checked."""
 
     def __post_init__(self) -> None:
         if self.action not in ALARM_ACTIONS:

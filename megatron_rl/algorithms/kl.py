@@ -9,11 +9,12 @@ k3 = (r − 1) − log r (unbiased, non-negative).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-KLEstimator = Literal["k1", "k2", "k3"]
+from megatron_rl.config.schema import KLEstimator
+
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 

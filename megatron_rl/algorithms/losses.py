@@ -39,7 +39,7 @@ only masks (no double counting; see ``correction.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
@@ -56,25 +56,26 @@ from megatron_rl.algorithms.proximal import (
     behaviour_weight,
     loglinear_proximal_logp,
 )
+from megatron_rl.config.schema import AlgorithmConfig, ClipConfig, KLConfig, LossName, ProximalMode
 
-LossKind = Literal["grpo", "bnpo", "dapo", "dr_grpo", "ppo_decoupled"]
-ProximalMode = Literal["recompute", "loglinear"]
+LossKind = LossName  # the config schema declares each enum once
 LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
 PROXIMAL_MODES: tuple[str, ...] = get_args(ProximalMode)
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossSettings:
-    """Everything the loss needs to know; built by the config package, independent of it."""
+    """Everything the loss needs to know, flat (pure tensor math takes no config tree); built from
+    ``algorithm`` by ``trainer.from_config``. Defaults are the schema's, never restated here."""
 
-    kind: LossKind = "grpo"
-    clip_low: float = 0.2  # ratio clipped below at 1 − clip_low
-    clip_high: float = 0.2  # ratio clipped above at 1 + clip_high (DAPO clip-higher: 0.28)
-    kl_coef: float = 0.0  # weight of the per-token KL(π_θ ‖ π_ref) term; 0 = off
-    kl_estimator: KLEstimator = "k3"
-    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted); 0 = off
-    proximal: ProximalMode = "recompute"  # ppo_decoupled: old-policy forward or A-3PO
-    behav_weight_cap: float | None = None  # ppo_decoupled: drop tokens with π_prox/π_behav > cap
+    kind: LossKind = AlgorithmConfig.loss
+    clip_low: float = ClipConfig.low  # ratio clipped below at 1 − clip_low
+    clip_high: float = ClipConfig.high  # ratio clipped above at 1 + clip_high (DAPO clip-higher: 0.28)
+    kl_coef: float = KLConfig.coef  # weight of the per-token KL(π_θ ‖ π_ref) term; 0 = off
+    kl_estimator: KLEstimator = KLConfig.estimator
+    entropy_coef: float = AlgorithmConfig.entropy_coef  # weight of the entropy bonus (subtracted); 0 = off
+    proximal: ProximalMode = AlgorithmConfig.proximal  # ppo_decoupled: old-policy forward or A-3PO
+    behav_weight_cap: float | None = AlgorithmConfig.behav_weight_cap  # ppo_decoupled: drop π_prox/π_behav > cap
     max_response_len: int | None = None  # dr_grpo: the constant length normaliser
     # Rollout importance-sampling correction (algorithm.rollout_correction); "none" = measure only.
     correction: RolloutCorrection = RolloutCorrection()

@@ -13,10 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Every enum of the config, declared once; the components import these.
 DType = Literal["float32", "bfloat16"]
 AttentionBackend = Literal["auto", "reference", "split", "flex", "triton", "npu"]
 LossName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "ppo_decoupled"]
 PipelineMode = Literal["sync", "periodic", "stale"]
+AdvantageScale = Literal["group", "batch", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ProximalMode = Literal["recompute", "loglinear"]
+CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+AlarmAction = Literal["warn", "stop"]
+EngineName = Literal["vllm", "hf"]
+WeightSync = Literal["snapshot", "broadcast"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +60,7 @@ class AttentionConfig:
 class AdvantageConfig:
     """Group-relative advantage A_i = (r_i - group mean) / (std + eps) (algorithms/advantages.py)."""
 
-    scale: Literal["group", "batch", "none"] = "group"  # std that divides: group's, batch's, none (Dr.GRPO)
+    scale: AdvantageScale = "group"  # std that divides: group's, batch's, none (Dr.GRPO)
     eps: float = 1e-6  # added to the std before dividing
 
 
@@ -78,7 +86,7 @@ class KLConfig:
     """KL penalty to the reference model, added to the loss."""
 
     coef: float = 0.0  # weight of the KL term; 0 skips the reference forward's use in the loss
-    estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators (k3 = unbiased, >= 0)
+    estimator: KLEstimator = "k3"  # Schulman's estimators (k3 = unbiased, >= 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +97,7 @@ class RolloutCorrectionConfig:
     # with bf16 / vLLM engines). none by default: an fp32 engine matches the trainer to ~1e-7 and a
     # weight of 1 ± 1e-6 would only add noise (and break exact periodic == sync equivalence).
     # ppo_decoupled takes none or a *_mask mode (its behaviour weight is the importance weight).
-    mode: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    mode: CorrectionMode = "none"
     c_min: float | None = None  # lower bound C_min of the ratio π_trainer/π_behav; None = unbounded
     c_max: float | None = 3.0  # upper bound C_max of the ratio; None = unbounded
     delta: float | None = None  # DeepSeek-V3.2 off-policy masking: drop A<0 sequences with KL > delta
@@ -104,7 +112,7 @@ class MismatchAlarmConfig:
     kl_k3: float | None = 0.05  # token mean of k3 KL(π_behav ‖ π_trainer)
     seq_ratio_max: float | None = None  # largest sequence ratio exp(Σ log π_trainer/π_behav)
     masked_fraction: float | None = None  # fraction of tokens the correction dropped
-    action: Literal["warn", "stop"] = "warn"  # warn: log and step; stop: raise before the step
+    action: AlarmAction = "warn"  # warn: log and step; stop: raise before the step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +124,7 @@ class AlgorithmConfig:
     clip: ClipConfig = field(default_factory=ClipConfig)  # ratio clipping
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO length penalty
-    proximal: Literal["recompute", "loglinear"] = (
+    proximal: ProximalMode = (
         "recompute"  # decoupled PPO proximal policy (A-3PO = loglinear)
     )
     behav_weight_cap: float | None = None  # decoupled PPO: cap on π_prox/π_behav; None = no cap
@@ -142,7 +150,7 @@ class SamplingConfig:
 class RolloutConfig:
     """Rollout engines: separate processes on devices of their own (never training ranks)."""
 
-    engine: Literal["vllm", "hf"] = "hf"  # vllm (or vllm-ascend), or the embedded CPU/HF engine
+    engine: EngineName = "hf"  # vllm (or vllm-ascend), or the embedded CPU/HF engine
     num_engines: int = 1  # number of engine processes
     # One device string per engine: "cpu", "cpu:1" / "cpu:0-3" (pinned cores), "cuda:4" or, for an
     # engine with tensor_parallel_size 2, "cuda:4,5"; "npu:0,1" likewise. [] = unpinned CPU engines.
@@ -152,7 +160,7 @@ class RolloutConfig:
     # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
     dtype: DType | None = None
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
-    weight_sync: Literal["snapshot", "broadcast"] = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
+    weight_sync: WeightSync = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
     sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
     # A worker with work in flight that sends nothing for this long is hung: killed, restarted,
     # its requests re-issued. Must exceed the slowest request (and weight load).

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_rl.config.schema import ControlConfig, SAGCConfig
 from megatron_rl.control.base import (
-    DEFAULT_TAU,
     StepObservation,
     check_tau,
     measure_step,
@@ -56,20 +56,11 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SAGCSettings:
-    """SAGC hyper-parameters (defaults are this project's, tuned on tools/simulate_sagc.py)."""
+class SAGCSettings(SAGCConfig):
+    """SAGC hyper-parameters: the ``control.sagc`` section (every knob and its default declared once,
+    in the config schema; tuned on tools/simulate_sagc.py) plus the first step's G."""
 
-    candidates: tuple[int, ...] = (4, 8, 16)  # allowed group sizes, strictly increasing
-    initial: int = 8  # group size of the first step; one of `candidates`
-    tau: float = DEFAULT_TAU  # straggler threshold on max/median response length, > 1
-    delta: float = 0.1  # target long-run straggler rate, in (0, 1)
-    gamma: float = 0.99  # forgetting factor of the Beta evidence, in (0, 1]; 1 = no forgetting
-    eta: float = 0.5  # dual step size, > 0
-    lambda_max: float = 20.0  # upper clip of the Lagrange multiplier, > 0
-    prior_alpha: float = 1.0  # Beta prior pseudo-count of straggler steps, > 0
-    prior_beta: float = 1.0  # Beta prior pseudo-count of clean steps, > 0
-    forget_unchosen: bool = True  # decay the evidence of candidates not chosen this step
-    seed: int = 0  # seed of the Thompson-sampling generator, >= 0
+    initial: int = ControlConfig.group_size  # control.group_size: the first step's G, one of `candidates`
 
     def __post_init__(self) -> None:
         cands = self.candidates

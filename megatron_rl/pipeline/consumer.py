@@ -32,13 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl.config.schema import PipelineConfig, SamplingConfig, TrainerConfig
 from megatron_rl.control import GroupSizeController
 from megatron_rl.pipeline.batching import StepBatch
 from megatron_rl.pipeline.producer import Detokenize, GroupScoring, Producer, PromptSource, RewardCallable
 from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayProducer
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, PipelineError, QueueItem
 from megatron_rl.pipeline.versions import (
-    PipelineMode,
     PolicyVersions,
     StalenessStats,
     VersionSchedule,
@@ -49,15 +49,13 @@ from megatron_rl.rollout.types import RolloutEngine, SamplingSettings
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineSettings:
-    """Scheduling between rollout and training (mirrors ``pipeline`` in the config)."""
+class PipelineSettings(PipelineConfig):
+    """The ``pipeline`` config section (mode, max_staleness, queue_size, micro_batch_tokens: each
+    knob and default declared once, in the schema) plus what the run fixes from other sections
+    and the threads' timing."""
 
-    mode: PipelineMode = "periodic"  # sync, periodic (on-policy), stale (off-policy, needs max_staleness)
-    max_staleness: int = 0  # stale: max versions a sample may lag (>= 1); else 0
-    queue_size: int = 64  # max groups waiting between producer and consumer
-    micro_batch_tokens: int = 4096  # packed-token budget of one micro-batch
-    mini_batches: int = 1  # optimizer steps per batch (trainer.mini_batches); divides the prompts
-    seed: int = 0  # base of the per-request sampling seeds
+    mini_batches: int = TrainerConfig.mini_batches  # trainer.mini_batches: optimizer steps per batch
+    seed: int = SamplingConfig.seed  # rollout.sampling.seed: base of the per-request sampling seeds
     flush_when_idle: bool = True  # periodic/stale: train a partial micro-batch rather than wait
     poll_s: float = 0.05  # how often blocked threads re-check stop / failure
     join_timeout_s: float = 10.0  # how long close() waits for the producer thread

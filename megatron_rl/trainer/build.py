@@ -8,28 +8,28 @@ from pathlib import Path
 import torch
 
 from megatron_rl.algorithms import LossSettings
+from megatron_rl.config.schema import AlgorithmConfig, AttentionConfig, ModelConfig, ParallelConfig, TrainerConfig
 from megatron_rl.models import DecoderSpec, load_model_from_hf
-from megatron_rl.trainer.optim import OptimSettings, wrap_for_training
+from megatron_rl.trainer.optim import wrap_for_training
 from megatron_rl.trainer.policy_step import PolicyTrainer
 from megatron_rl.trimodel import TriModel, load_frozen_copies, plan_trimodel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerSettings:
-    """What the trainer side needs to be built (from the ``model``/``trainer``/``algorithm`` config)."""
+    """What the trainer side is built from: the config sections as they are, plus the checkpoints
+    the run starts from and the loss settings derived from ``algorithm``."""
 
-    hf_path: str
-    ref_path: str | None = None  # reference model checkpoint (default: the initial policy)
-    params_dtype: torch.dtype = torch.float32
-    attention_backend: str = "auto"
-    make_vocab_size_divisible_by: int = 128  # model.make_vocab_size_divisible_by
-    megatron_overrides: dict | None = None  # model.megatron: pass-through TransformerConfig fields
+    hf_path: str  # where the policy (and the old copy) start: model.hf_path or a resumed checkpoint's model
+    ref_path: str | None = None  # the reference model's checkpoint (default: hf_path)
+    model: ModelConfig  # dtype, make_vocab_size_divisible_by, megatron pass-through
+    trainer: TrainerConfig  # lr, weight_decay, adam_*, grad_clip, mini_batches, offload_old / offload_reference
+    parallel: ParallelConfig = ParallelConfig()  # distributed_optimizer
+    attention: AttentionConfig = AttentionConfig()  # backend
+    temperature: float = AlgorithmConfig.temperature  # algorithm.temperature: log-probs at the sampling temperature
     loss: LossSettings
-    optim: OptimSettings
-    optimizer_steps_per_batch: int = 1
-    temperature: float = 1.0
-    offload_old: bool = False
-    offload_ref: bool = False
 
 
 def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torch.nn.Module, DecoderSpec]:
@@ -37,13 +37,14 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
 
     The parallel state must be initialised (``megatron_rl.parallel.state.initialize_parallel``).
     """
-    build = {"params_dtype": settings.params_dtype, "attention_backend": settings.attention_backend,
-             "make_vocab_size_divisible_by": settings.make_vocab_size_divisible_by,
-             "megatron_overrides": settings.megatron_overrides}
+    m, t = settings.model, settings.trainer
+    build = {"params_dtype": DTYPES[m.dtype], "attention_backend": settings.attention.backend,
+             "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+             "megatron_overrides": dict(m.megatron) or None}
     policy, spec = load_model_from_hf(settings.hf_path, **build)
-    ddp, optimizer = wrap_for_training(policy, settings.optim)
-    plan = plan_trimodel(settings.loss, optimizer_steps_per_batch=settings.optimizer_steps_per_batch,
-                         offload_old=settings.offload_old, offload_ref=settings.offload_ref)
+    ddp, optimizer = wrap_for_training(policy, t, distributed_optimizer=settings.parallel.distributed_optimizer)
+    plan = plan_trimodel(settings.loss, optimizer_steps_per_batch=t.mini_batches,
+                         offload_old=t.offload_old, offload_ref=t.offload_reference)
     old, ref = load_frozen_copies(plan, policy_path=Path(settings.hf_path), ref_path=settings.ref_path, **build)
     trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
                         temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0)

@@ -3,26 +3,16 @@ micro-batch) and megatron's optimizer (optionally distributed, with grad clippin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True, kw_only=True)
-class OptimSettings:
-    """Optimizer hyper-parameters (mirrors ``trainer`` config fields)."""
-
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    distributed_optimizer: bool = False
+from megatron_rl.config.schema import TrainerConfig
 
 
-def wrap_for_training(model: torch.nn.Module, settings: OptimSettings):
-    """Return ``(ddp_model, optimizer)`` for one model chunk; the model config gets the grad hooks."""
+def wrap_for_training(model: torch.nn.Module, settings: TrainerConfig, *, distributed_optimizer: bool = False):
+    """Return ``(ddp_model, optimizer)`` for one model chunk; the model config gets the grad hooks.
+
+    ``settings``: the ``trainer`` config section (lr, weight_decay, adam_*, grad_clip: declared
+    once, in the schema); ``distributed_optimizer``: ``parallel.distributed_optimizer``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -32,7 +22,7 @@ def wrap_for_training(model: torch.nn.Module, settings: OptimSettings):
         ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=settings.distributed_optimizer,
+            use_distributed_optimizer=distributed_optimizer,
         ),
         module=model,
     )
@@ -49,7 +39,7 @@ def wrap_for_training(model: torch.nn.Module, settings: OptimSettings):
             clip_grad=settings.grad_clip,
             bf16=config.bf16,
             params_dtype=config.params_dtype,
-            use_distributed_optimizer=settings.distributed_optimizer,
+            use_distributed_optimizer=distributed_optimizer,
         ),
         [ddp],
     )
