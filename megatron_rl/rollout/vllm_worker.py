@@ -16,8 +16,8 @@ the installed package). Choices, all for vLLM 0.32:
   engine's convention (``rollout/sampling.py``). With ``top_p == 1`` that is the trainer's
   ``log_softmax(logits / T)``. (``raw_logprobs``, vLLM's default, ignores the temperature.)
 - Weight sync: ``collective_rpc("reload_weights", weights_path=snapshot_dir)`` reloads the
-  safetensors in place, then ``reset_prefix_cache()`` drops KV blocks computed with the old
-  weights.
+  safetensors in place, a tied ``lm_head`` is repacked (``refresh_tied_lm_head``), then
+  ``reset_prefix_cache()`` drops KV blocks computed with the old weights.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class VLLMBackend:
     def load_weights(self, snapshot_dir: str) -> None:
         """Reload every weight from the safetensors in ``snapshot_dir``; drop the prefix cache."""
         self._llm.collective_rpc("reload_weights", kwargs={"weights_path": snapshot_dir})
-        self._llm.reset_prefix_cache()
+        self._after_reload()
 
     @property
     def device(self):
@@ -73,6 +73,10 @@ class VLLMBackend:
     def load_tensors(self, named_tensors) -> None:
         """Reload every weight from HF-named tensors (in-process engine: no serialisation)."""
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        self._after_reload()
+
+    def _after_reload(self) -> None:
+        self._llm.apply_model(refresh_tied_lm_head)
         self._llm.reset_prefix_cache()
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
@@ -91,6 +95,24 @@ class VLLMBackend:
         finally:
             if pending:  # an error: leave nothing behind for the next chunk
                 engine.abort_request(list(pending))
+
+
+def refresh_tied_lm_head(model) -> None:
+    """Re-derive a tied output layer from the reloaded input embedding.
+
+    vLLM 0.32 on CPU keeps a prepacked copy of the weight of a tied ``lm_head`` (made by its
+    ``process_weights_after_loading``); ``reload_weights`` skips ``lm_head.*`` for tied models, so
+    that copy would keep the *old* embedding and every log-prob after a sync would be off (5e-3 on
+    SmolLM2-135M). Running the post-load step again repacks it from the new weight; for untied
+    models, or platforms without such a copy, it is left alone. Delete once vLLM repacks it itself.
+    """
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 def _params(r: GenerationRequest):
