@@ -148,3 +148,43 @@ def test_non_finite_steps_in_a_row_stop_the_run_with_a_clear_error(setup):
     (result,) = run_distributed(_train_with_nans, 1, config, overrides, [0, 1, 2, 3, 4], timeout_s=600)
     assert isinstance(result, str) and result.startswith("NonFiniteError") and "max_nonfinite_steps=2" in result
     assert "step 1:" in result and not (out.exists() and list(out.iterdir()))
+
+
+class _BrokenEngine(EngineWrapper):
+    """Fails for good (as after too many worker restarts) when asked for step ``broken_step``."""
+
+    def __init__(self, inner, broken_step: int) -> None:
+        super().__init__(inner)
+        self.broken_step = broken_step
+
+    def generate(self, requests):
+        from megatron_rl.rollout import RolloutWorkerError
+
+        if int(requests[0].request_id.split("/")[0]) == self.broken_step:
+            raise RolloutWorkerError("rollout workers died 4 times during one generate call (injected)")
+        yield from self.inner.generate(requests)
+
+
+def _train_until_the_engine_breaks(config_path: str, overrides: list[str]):
+    from megatron_rl.config import load_config
+    from megatron_rl.pipeline import PipelineError
+    from megatron_rl.rollout import build_engine
+    from megatron_rl.trainer.loop import train
+
+    try:
+        train(load_config(config_path, overrides), platform="cpu",
+              engine_factory=lambda s: _BrokenEngine(build_engine(s), broken_step=2))
+    except PipelineError as err:
+        return f"{type(err.__cause__).__name__}: {err.__cause__}"
+    return "no error"
+
+
+def test_an_engine_that_fails_for_good_stops_the_run_after_checkpointing_the_last_step(setup):
+    tmp, config = setup
+    out = tmp / "engine_broken"
+    (result,) = run_distributed(_train_until_the_engine_breaks, 1, config, [f"trainer.save_dir={out}"], timeout_s=600)
+    assert result.startswith("RolloutWorkerError") and "died 4 times" in result
+    assert sorted(p.name for p in out.iterdir()) == ["step_2"]  # the two completed steps, nothing partial
+    resume = [f"trainer.save_dir={out}", f"trainer.resume_from={out / 'step_2'}"]
+    (history,) = run_distributed(_train_with_nans, 1, config, resume, [], timeout_s=600)
+    assert [h["train/version"] for h in history] == [1.0, 2.0, 3.0]  # resumed: steps 3..5 (engine versions restart)

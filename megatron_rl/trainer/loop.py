@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.config import Config, config_to_dict
-from megatron_rl.pipeline import BatchSummary
+from megatron_rl.pipeline import BatchSummary, PipelineError
 from megatron_rl.trainer.checkpoint import RunState
 from megatron_rl.trainer.metrics import format_step, step_metrics
 from megatron_rl.trainer.rl_step import LeaderReplica, follow
@@ -36,7 +36,7 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
         run.cleanup()
         return []
     replica, pipeline, history = LeaderReplica(run.replica), run.pipeline, []
-    nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+    nonfinite, checkpoints = NonFiniteGuard(cfg.trainer.max_nonfinite_steps), Checkpoints(cfg, replica)
     try:
         with pipeline:
             for step in range(run.first_step, cfg.trainer.steps):
@@ -55,20 +55,43 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
                 print(format_step(step, metrics), flush=True)
                 nonfinite.check(step, metrics["train/nonfinite_steps"])
                 stop = replica.poll_stop()
-                if _should_save(cfg, step + 1, stop):
-                    replica.save_checkpoint(Path(cfg.trainer.save_dir) / f"step_{step + 1}", _run_state(cfg, summary))
+                checkpoints.after_step(summary, stopping=stop)
                 if stop:
                     break
+    except PipelineError:
+        checkpoints.after_failure()  # the engines or the producer failed: keep what was trained
+        raise
     finally:
         replica.stop_followers()
         run.cleanup()
     return history
 
 
-def _should_save(cfg: Config, steps_done: int, stopping: bool) -> bool:
-    every = cfg.trainer.save_every
-    due = stopping or steps_done == cfg.trainer.steps or (every > 0 and steps_done % every == 0)
-    return bool(cfg.trainer.save_dir) and due
+class Checkpoints:
+    """When the leader writes a checkpoint: every ``trainer.save_every`` steps, at the end, when a
+    stop was requested, and (``after_failure``) for the last complete step when the engines or
+    the producer fail mid-step (the weights and optimizer state are still those of that step)."""
+
+    def __init__(self, cfg: Config, replica: LeaderReplica) -> None:
+        self.cfg, self.replica = cfg, replica
+        self.last: BatchSummary | None = None
+        self.saved_step: int | None = None
+
+    def after_step(self, summary: BatchSummary, *, stopping: bool) -> None:
+        self.last = summary
+        t, done = self.cfg.trainer, summary.step + 1
+        if t.save_dir and (stopping or done == t.steps or (t.save_every > 0 and done % t.save_every == 0)):
+            self._save(summary)
+
+    def after_failure(self) -> None:
+        if self.cfg.trainer.save_dir and self.last is not None and self.saved_step != self.last.step + 1:
+            print(f"megatron_rl: saving the last complete step ({self.last.step + 1}) before stopping", flush=True)
+            self._save(self.last)
+
+    def _save(self, summary: BatchSummary) -> None:
+        self.saved_step = summary.step + 1
+        self.replica.save_checkpoint(Path(self.cfg.trainer.save_dir) / f"step_{self.saved_step}",
+                                     _run_state(self.cfg, summary))
 
 
 def _run_state(cfg: Config, summary: BatchSummary) -> RunState:
