@@ -364,6 +364,7 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
          {"rollout.tensor_parallel_size"}, ["use 1 on CPU"]),
         (["rollout.tensor_parallel_size=2"], {"rollout.tensor_parallel_size"}, ["hf engine runs one device"]),
         (["data.source=prompts.csv"], {"data.source"}, ["reasoning_gym:<dataset>"]),
+        (["data.source=prompts.jsonl", "data.options={min_terms: 2}"], {"data.options"}, ["reasoning_gym dataset"]),
         (["reward.fn=my pkg:fn"], {"reward.fn"}, ["pkg.mod:function"]),
         (["control.sagc.delta=1.5"], {"control.sagc.delta"}, ["(0, 1)"]),
     ],

@@ -221,6 +221,9 @@ class DataConfig:
     seed: int = 0  # dataset generation / shuffling seed
     max_prompt_tokens: int = 512  # longer prompts are dropped (counted, never truncated)
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+    # reasoning_gym sources only: keyword arguments of its dataset config, e.g. {min_terms: 2,
+    # max_terms: 2, max_digits: 1} for basic_arithmetic
+    options: dict[str, Any] = field(default_factory=dict)
     skip_bad_rows: bool = True  # skip (and count) malformed file rows; false: the first one is an error
 
 

@@ -317,6 +317,8 @@ def check_sources(cfg: Config) -> Found:
     src = cfg.data.source
     if not (re.fullmatch(r"reasoning_gym:\w+", src) or src.endswith((".jsonl", ".parquet"))):
         yield "data.source", f"{src!r} is neither 'reasoning_gym:<dataset>' nor a .jsonl / .parquet path"
+    if cfg.data.options and not src.startswith("reasoning_gym:"):
+        yield "data.options", f"are keyword arguments of a reasoning_gym dataset; {src!r} takes none"
     fn = cfg.reward.fn
     if not fn or (":" in fn and not DOTTED_PATH.match(fn)) or (":" not in fn and not fn.isidentifier()):
         yield "reward.fn", f"{fn!r} is neither a builtin reward name nor a dotted path 'pkg.mod:function'"

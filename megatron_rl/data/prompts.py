@@ -13,6 +13,7 @@ nothing is left, raises ValueError naming it (`sources.read_records`, `tokenize_
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +50,12 @@ class DataReport:
 def load_prompts(
     source: str, tokenizer: Any, *, max_prompt_tokens: int, chat_template: bool, prompt_key: str = "question",
     answer_key: str = "answer", size: int | None = None, seed: int = 0, skip_bad_rows: bool = True,
+    options: Mapping[str, Any] | None = None,
     instruction: str | None = ANSWER_INSTRUCTION,
 ) -> tuple[list[TokenizedPrompt], DataReport]:
     """The tokenized prompts of `source` and the `DataReport` (see module doc)."""
     read = read_records(source, prompt_key=prompt_key, answer_key=answer_key, size=size, seed=seed,
-                        skip_bad_rows=skip_bad_rows)
+                        skip_bad_rows=skip_bad_rows, options=options)
     tokenized = tokenize_records(read.records, tokenizer, chat_template=chat_template,
                                  max_prompt_tokens=max_prompt_tokens, instruction=instruction)
     report = DataReport(source=source, records=len(read.records), bad_rows=tuple(read.bad_rows),

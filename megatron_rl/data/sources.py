@@ -56,14 +56,16 @@ def load_records(
 
 def read_records(
     source: str, *, prompt_key: str = "question", answer_key: str = "answer",
-    size: int | None = None, seed: int = 0, skip_bad_rows: bool = False,
+    size: int | None = None, seed: int = 0, skip_bad_rows: bool = False, options: Mapping[str, Any] | None = None,
 ) -> SourceRecords:
     """`load_records`, optionally skipping (and reporting) malformed rows instead of raising."""
     if size is not None and size <= 0:
         raise ValueError(f"size must be positive, got {size}")
     if source.startswith(REASONING_GYM_PREFIX):
         name = source.removeprefix(REASONING_GYM_PREFIX)
-        return SourceRecords(records=reasoning_gym_records(name, size=size, seed=seed), bad_rows=[])
+        return SourceRecords(records=reasoning_gym_records(name, size=size, seed=seed, options=options), bad_rows=[])
+    if options:
+        raise ValueError(f"data.options {dict(options)!r} are for reasoning_gym sources only, not {source!r}")
     path = Path(source)
     if path.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"data source must be 'reasoning_gym:<name>', a .jsonl or a .parquet file, "
@@ -99,16 +101,18 @@ def _file_records(path: Path, prompt_key: str, answer_key: str, size: int | None
     return SourceRecords(records=records, bad_rows=bad)
 
 
-def reasoning_gym_records(name: str, *, size: int | None, seed: int) -> list[PromptRecord]:
-    """`size` generated problems of reasoning_gym dataset `name` (deterministic in `seed`)."""
+def reasoning_gym_records(name: str, *, size: int | None, seed: int,
+                          options: Mapping[str, Any] | None = None) -> list[PromptRecord]:
+    """`size` generated problems of reasoning_gym dataset `name` (deterministic in `seed`);
+    `options` go to its config (e.g. ``min_terms``, ``max_digits``)."""
     if size is None:
         raise ValueError(f"reasoning_gym:{name} needs size (number of problems to generate)")
     import reasoning_gym
 
     try:
-        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed)
-    except ValueError as err:  # unknown name: reasoning_gym says "Dataset '<name>' not registered"
-        raise ValueError(f"data source 'reasoning_gym:{name}': {err}") from err
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **dict(options or {}))
+    except (ValueError, TypeError, AssertionError) as err:  # unknown name or option, bad option value
+        raise ValueError(f"data source 'reasoning_gym:{name}' (data.options {dict(options or {})}): {err}") from err
     return [
         PromptRecord(prompt_id=f"{name}:{seed}:{i}", text=entry["question"], answer=str(entry["answer"]),
                      metadata={"reasoning_gym": name, "entry": entry})
