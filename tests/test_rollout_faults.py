@@ -163,3 +163,28 @@ def test_broadcast_group_listens_on_the_configured_address_only(tmp_path):
         _check_exactly_once(list(pool.generate(reqs)), reqs, version=1)
     finally:
         pool.shutdown()
+
+
+def test_shutdown_during_a_generate_restarts_nothing(tmp_path):
+    """The pipeline shuts the engine down while its producer thread is inside generate (a stop
+    request in periodic mode): the generate must end with an error, not revive the killed
+    workers, which would outlive the pool and block the interpreter's exit."""
+    import threading
+
+    pool = _pool(tmp_path, FAULT_HANG_ON="r7")  # keeps one chunk busy until the shutdown kills it
+    outcome = []
+
+    def consume():
+        try:
+            outcome.extend(pool.generate(_requests()))
+        except (RolloutWorkerError, RuntimeError) as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(1.0)
+    pool.shutdown()
+    thread.join(30)
+    assert not thread.is_alive(), "generate did not end after shutdown"
+    assert any(isinstance(o, Exception) for o in outcome)
+    assert all(not s.alive for s in pool.status()), [s for s in pool.status() if s.alive]

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from megatron_rl.rollout.dispatch import generate_results
-from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_workers
+from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.rollout.weight_sync import WeightSync
 from megatron_rl.rollout.worker import WorkerSpec
@@ -53,7 +53,7 @@ class WorkerPool:
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()
         self._active: int | None = None  # thread id of the generate() iteration in progress
-        self._finalizer = weakref.finalize(self, stop_workers, self._sup.workers)
+        self._finalizer = weakref.finalize(self, stop_supervised, self._sup)
         try:
             self._sup.start_all()
         except BaseException:

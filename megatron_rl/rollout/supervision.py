@@ -137,6 +137,7 @@ class Supervisor:
         self.snapshot: str | None = None  # what a (re)started process loads; None: model_path
         self.version = 0
         self.on_restart: Callable[[WorkerHandle], None] | None = None  # e.g. give it broadcast weights
+        self.closed = threading.Event()  # set by stop_all: nothing is (re)started afterwards
 
     def start_all(self) -> None:
         for w in self.workers:
@@ -196,6 +197,8 @@ class Supervisor:
 
     def restart(self, w: WorkerHandle) -> None:
         """Replace the dead process of ``w`` with a new one running the current version."""
+        if self.closed.is_set():  # a generate still running in another thread saw the shutdown's kill
+            raise RolloutWorkerError(f"rollout worker {w.spec.index} not restarted: the engine was shut down")
         w.sender.close()
         w.conn.close()
         w.recv_error = None
@@ -241,6 +244,14 @@ def _try_recv(w: WorkerHandle) -> object | None:
     except (EOFError, OSError, pickle.UnpicklingError) as err:  # e.g. a torn message from a dying worker
         w.recv_error = err
         return None
+
+
+def stop_supervised(sup: Supervisor) -> None:
+    """Shut ``sup`` down for good: no restart after this (a worker restarted by a generate still
+    running in another thread would outlive the pool and block the interpreter's exit), then
+    ``stop_workers``."""
+    sup.closed.set()
+    stop_workers(sup.workers)
 
 
 def stop_workers(workers: list[WorkerHandle]) -> None:
