@@ -67,8 +67,9 @@ def torch_rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _signal_follower(config_path: str, overrides: list[str]):
-    """Rank 1 (a follower at TP=2) signals itself once the run is under way; the leader is not signalled."""
+def _signal_follower(config_path: str, overrides: list[str], metrics: str):
+    """Rank 1 (a follower at TP=2) signals itself once the leader has logged two steps; the leader
+    is not signalled."""
     import threading
 
     import torch.distributed as dist
@@ -76,8 +77,14 @@ def _signal_follower(config_path: str, overrides: list[str]):
     from megatron_rl.config import load_config
     from megatron_rl.trainer.loop import train
 
+    def signal_after_two_steps():
+        path = Path(metrics)
+        while not (path.is_file() and path.read_text().count("\n") >= 2):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     if int(os.environ["RANK"]) == 1:
-        threading.Timer(25.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        threading.Thread(target=signal_after_two_steps, daemon=True).start()
     history = train(load_config(config_path, overrides), platform="cpu")
     assert dist.is_initialized()
     return len(history)
@@ -85,12 +92,11 @@ def _signal_follower(config_path: str, overrides: list[str]):
 
 def test_sigterm_on_one_follower_rank_stops_every_rank_together(setup):
     tmp, config = setup
-    out = tmp / "follower_signal"
-    started = time.monotonic()
-    steps, _ = run_distributed(_signal_follower, 2, config, ["parallel.tp=2", "trainer.steps=40",
-                                                              f"trainer.save_dir={out}"], timeout_s=600)
-    assert 1 <= steps < 40, "the run did not stop early"
-    assert time.monotonic() - started < 400
+    out, logs = tmp / "follower_signal", tmp / "follower_signal_logs"
+    steps, _ = run_distributed(_signal_follower, 2, config, ["parallel.tp=2", "trainer.steps=200",
+                                                              f"trainer.save_dir={out}", f"trainer.log_dir={logs}"],
+                               str(logs / "metrics.jsonl"), timeout_s=600)
+    assert 2 <= steps < 200, "the run did not stop early"
     assert [p.name for p in out.iterdir()] == [f"step_{steps}"]
     assert (out / f"step_{steps}" / "trainer_state.json").is_file()
 

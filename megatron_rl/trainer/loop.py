@@ -74,23 +74,25 @@ class Checkpoints:
 
     def __init__(self, cfg: Config, replica: LeaderReplica) -> None:
         self.cfg, self.replica = cfg, replica
+        t = cfg.trainer
+        self.save_dir, self.every, self.steps = t.save_dir, t.save_every, t.steps
         self.last: BatchSummary | None = None
         self.saved_step: int | None = None
 
     def after_step(self, summary: BatchSummary, *, stopping: bool) -> None:
         self.last = summary
-        t, done = self.cfg.trainer, summary.step + 1
-        if t.save_dir and (stopping or done == t.steps or (t.save_every > 0 and done % t.save_every == 0)):
+        done = summary.step + 1
+        if self.save_dir and (stopping or done == self.steps or (self.every > 0 and done % self.every == 0)):
             self._save(summary)
 
     def after_failure(self) -> None:
-        if self.cfg.trainer.save_dir and self.last is not None and self.saved_step != self.last.step + 1:
+        if self.save_dir and self.last is not None and self.saved_step != self.last.step + 1:
             print(f"megatron_rl: saving the last complete step ({self.last.step + 1}) before stopping", flush=True)
             self._save(self.last)
 
     def _save(self, summary: BatchSummary) -> None:
         self.saved_step = summary.step + 1
-        self.replica.save_checkpoint(Path(self.cfg.trainer.save_dir) / f"step_{self.saved_step}",
+        self.replica.save_checkpoint(Path(self.save_dir) / f"step_{self.saved_step}",
                                      _run_state(self.cfg, summary))
 
 
