@@ -42,6 +42,7 @@ from megatron_rl.pipeline.records import (
     QueueItem,
     Sample,
     ScoredGroup,
+    put_unless_stopped,
     request_id,
     request_seed,
 )
@@ -247,10 +248,5 @@ class Producer:
     def _put(self, item: QueueItem) -> None:
         if self._record is not None:
             self._record(item)  # rollout.record: the queue as JSONL (pipeline.recording)
-        while not self._stop.is_set():
-            try:
-                self._out.put(item, timeout=self._poll_s)
-                return
-            except queue.Full:
-                continue
-        raise _Stopped
+        if not put_unless_stopped(self._out, item, self._stop, self._poll_s):
+            raise _Stopped

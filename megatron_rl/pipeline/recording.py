@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.pipeline.records import BatchEnd, BatchStart, QueueItem, Sample, ScoredGroup
+from megatron_rl.pipeline.records import BatchEnd, BatchStart, QueueItem, Sample, ScoredGroup, put_unless_stopped
 
 
 def item_to_json(item: QueueItem) -> dict[str, Any]:
@@ -111,13 +111,7 @@ class ReplayProducer:
                 if item.step not in self._steps:
                     break
                 seen.add(item.step)
-                while not self._stop.is_set():
-                    try:
-                        self._out.put(item, timeout=self._poll_s)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not put_unless_stopped(self._out, item, self._stop, self._poll_s):
                     return
             if missing := [s for s in self._steps if s not in seen]:
                 raise ValueError(f"{self._path}: the recording has no step {missing[0]} (steps {missing})")

@@ -18,6 +18,8 @@ Request ids are ``"<step>/<prompt_id>/<k>"``; the per-request seed is a hash of
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +31,18 @@ from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, concat_g
 
 class PipelineError(RuntimeError):
     """The producer thread failed or stopped early; ``__cause__`` holds the original error."""
+
+
+def put_unless_stopped(out: queue.Queue, item: QueueItem, stop: threading.Event, poll_s: float) -> bool:
+    """Put ``item`` on the bounded queue, waiting while it is full; False if ``stop`` was set first
+    (re-checked every ``poll_s``, so a stopped producer never blocks on a full queue)."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=poll_s)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def request_id(step: int, prompt_id: str, k: int) -> str:
