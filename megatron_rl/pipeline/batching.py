@@ -58,7 +58,7 @@ class StepBatch:
     def mini_batches(self) -> Iterator[Iterator[MicroBatch]]:
         """``num_mini_batches`` iterators of micro-batches, in prompt order (see the module doc)."""
         if not self._streamed:
-            self._receive_all()
+            self.finish()  # sync: the whole batch first
         for j in range(self.num_mini_batches):
             if self._next_mini != j:
                 raise RuntimeError(f"mini-batch {self._next_mini - 1} of step {self.step} was not trained to its end")
@@ -89,10 +89,6 @@ class StepBatch:
         self._seen[self.mini_batch_of(item)] += 1
         return item
 
-    def _receive_all(self) -> None:
-        while self.end is None:
-            self._receive()
-
     def _generating(self) -> bool:
         return sum(self._seen) < self.start.num_prompts
 
@@ -107,6 +103,7 @@ class StepBatch:
     def _streamed_mini(self, j: int) -> Iterator[MicroBatch]:
         """periodic / stale: mini-batch j's groups as they arrive (earlier arrivals first)."""
         buf: list[ScoredGroup] = []
+        used = 0  # packed tokens in buf
         pending, self._waiting[j] = self._waiting[j], []
         while pending or self._seen[j] < self._per_mini:
             group = pending.pop(0) if pending else self._receive()
@@ -116,13 +113,14 @@ class StepBatch:
                 self._waiting[self.mini_batch_of(group)].append(group)
                 continue
             for part in split_group(group, self._budget):
-                if buf and sum(g.num_packed_tokens for g in buf) + part.num_packed_tokens > self._budget:
+                if buf and used + part.num_packed_tokens > self._budget:
                     yield self._micro_batch(buf, j)
-                    buf = []
+                    buf, used = [], 0
                 buf.append(part)
+                used += part.num_packed_tokens
             if buf and not pending and self._flush_when_idle and self._queue_empty():
                 yield self._micro_batch(buf, j)
-                buf = []
+                buf, used = [], 0
         if buf:
             yield self._micro_batch(buf, j)
         self._next_mini = j + 1

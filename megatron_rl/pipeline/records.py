@@ -207,21 +207,16 @@ def split_group(group: ScoredGroup, token_budget: int) -> list[ScoredGroup]:
     if group.num_packed_tokens <= token_budget:
         return [group]
     prompt = len(group.samples[0].prompt_ids)
-    parts: list[list[int]] = [[]]
-    used = prompt
-    for k, sample in enumerate(group.samples):
-        n = len(sample.response_ids)
+    lengths = [len(s.response_ids) for s in group.samples]
+    for k, n in enumerate(lengths):
         if prompt + n > token_budget:
             raise ValueError(
                 f"group {group.prompt_id!r} (step {group.step}): prompt ({prompt} tokens) + response {k} "
                 f"({n} tokens) exceed micro_batch_tokens={token_budget}; raise pipeline.micro_batch_tokens to at "
                 "least data.max_prompt_tokens + rollout.sampling.max_new_tokens"
             )
-        if parts[-1] and used + n > token_budget:
-            parts.append([])
-            used = prompt
-        parts[-1].append(k)
-        used += n
+    # Every part repeats the prompt: the responses share what the budget leaves beside it.
+    parts = greedy_chunks(lengths, token_budget - prompt, name=lambda k: f"response {k}")
     return [_group_part(group, idx) for idx in parts]
 
 

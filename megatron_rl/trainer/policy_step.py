@@ -97,12 +97,10 @@ class PolicyTrainer:
         # gradient is the plain sum of the ranks' numerator gradients, hence dp / D.
         self.ddp.scale_gradients(ps.get_data_parallel_world_size() / denominator)
         finalize_model_grads([self.ddp])
-        if not self._finite_everywhere(numerator):  # same verdict on every rank: all skip together
-            self._reset()
-            return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"), metrics={},
-                                   skipped=True, nonfinite=True)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:  # megatron's own check (fp16 loss scaling); nothing was applied
+        ok, grad_norm = False, None
+        if self._finite_everywhere(numerator):  # same verdict on every rank: all skip together
+            ok, grad_norm, _ = self.optimizer.step()  # not ok: megatron's own check (fp16 loss scaling)
+        if not ok:  # nothing was applied
             self._reset()
             return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"), metrics={},
                                    skipped=True, nonfinite=True)
