@@ -1,4 +1,5 @@
-"""Command line: ``python -m megatron_rl train CONFIG.yaml [a.b.c=value ...]``.
+"""Command line: ``python -m megatron_rl train CONFIG.yaml [a.b.c=value ...]`` (also ``replay``,
+``bench``, ``check-config``).
 
 Launch one process per training rank with ``torchrun`` (or ``msrun`` on Ascend); a single
 process is fine for ``tp = pp = 1``. Config errors are reported before anything starts.
@@ -25,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     replay.add_argument("recording", help="JSONL written by rollout.record")
     replay.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     replay.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    bench = sub.add_parser("bench", help="measure throughput: e2e loop, trainer alone or engines alone (JSON line)")
+    bench.add_argument("config", help="YAML config file (see examples/)")
+    bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    from megatron_rl.bench.options import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
     check = sub.add_parser("check-config", help="load and validate a config, print it resolved")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
@@ -47,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0
+    if args.command == "bench":
+        from megatron_rl.bench.runner import bench_command
+
+        return bench_command(cfg, args)
     if args.command == "train" and args.rollout_only:
         from megatron_rl.trainer.rollout_only import generate_only
 

@@ -1,0 +1,114 @@
+"""``--scope e2e``: ``megatron_rl.trainer.loop.train`` for ``warmup + steps`` steps, measured from
+the per-step metrics it returns and from the groups its engine generated.
+
+Phase breakdown of a step, from the trainer's side (what it waited for or computed):
+``train`` / ``optimizer`` / ``weight_sync`` are the loop's ``time/…_s``; ``time/queue_wait_s``
+(the trainer blocked on the queue) is the exposed part of the rollout, split into
+``generation`` and ``reward`` in the producer's own proportion of the two (``time/reward_s``
+when the loop logs it, else all generation) and capped at the producer's busy time
+(``time/generation_s``); whatever wait remains is ``queue_wait``. ``idle`` is the loop's
+``time/idle_s`` when logged, else the unexplained rest. The producer's overlapped totals go to
+``extra`` (``overlapped_generation_s``, ``overlapped_reward_s``, ``overlap_fraction``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping
+
+from megatron_rl.bench.flops import GroupShape, training_flops
+from megatron_rl.bench.options import BenchOptions, peak_memory, resolve_peak
+from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate
+from megatron_rl.config import Config, config_to_dict
+from megatron_rl.models import decoder_spec_from_hf, read_hf_config
+from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.trainer import from_config
+from megatron_rl.trainer.build import DTYPES
+from megatron_rl.trimodel import plan_trimodel
+
+
+class ShapeRecorder(EngineWrapper):
+    """Passes every result through and records its prompt / response lengths by step and prompt."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.prompt_len: dict[tuple[int, str], int] = {}
+        self.response_lens: dict[tuple[int, str], list[int]] = defaultdict(list)
+
+    def generate(self, requests):
+        for result in self.inner.generate(requests):
+            step, prompt_id, _ = result.request_id.split("/")
+            self.prompt_len[(int(step), prompt_id)] = len(result.prompt_ids)
+            self.response_lens[(int(step), prompt_id)].append(len(result.response_ids))
+            yield result
+
+    def groups(self, step: int) -> tuple[GroupShape, ...]:
+        """The groups generated for ``step``, in the order they were first seen."""
+        return tuple(GroupShape(prompt_len=self.prompt_len[key], response_lens=tuple(lens))
+                     for key, lens in self.response_lens.items() if key[0] == step)
+
+
+def phases_from_metrics(m: Mapping[str, float]) -> dict[str, float]:
+    """The exclusive phase seconds of one logged step (see the module docstring)."""
+    wait, busy = m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)
+    reward_share = min(m.get("time/reward_s", 0.0) / busy, 1.0) if busy > 0 else 0.0
+    covered = min(wait, busy)
+    out = {"generation": covered * (1 - reward_share), "reward": covered * reward_share,
+           "queue_wait": wait - covered}
+    out.update({name: m.get(f"time/{name}_s", 0.0) for name in ("train", "optimizer", "weight_sync")})
+    if "time/idle_s" in m:
+        out["idle"] = m["time/idle_s"]
+    return out
+
+
+def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
+    """Train ``warmup + steps`` steps; the result on the leader (None on other ranks)."""
+    from megatron_rl.platform.device import detect_platform
+    from megatron_rl.rollout import build_engine
+    from megatron_rl.trainer.loop import train
+
+    total = opts.warmup + opts.steps
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=total))
+    recorders: list[ShapeRecorder] = []
+
+    def factory(settings):
+        recorders.append(ShapeRecorder(build_engine(settings)))
+        return recorders[-1]
+
+    history = train(cfg, platform=opts.platform, engine_factory=factory)
+    if not history:
+        return None
+    spec = decoder_spec_from_hf(read_hf_config(cfg.model.hf_path))
+    loss = from_config.loss_settings(cfg)
+    plan = plan_trimodel(loss, optimizer_steps_per_batch=cfg.trainer.mini_batches,
+                         offload_old=cfg.trainer.offload_old, offload_ref=cfg.trainer.offload_reference)
+    frozen = len(plan.active) - 1
+    measured = []
+    for step, m in enumerate(history[opts.warmup:], start=opts.warmup):
+        groups = recorders[0].groups(step)
+        measured.append(StepMeasure(step_s=m["time/step_s"], phases=phases_from_metrics(m), groups=groups,
+                                    flops=training_flops(spec, groups, frozen_forwards=frozen)))
+    device_type = detect_platform(opts.platform).device_type
+    world_size = cfg.parallel.tp * cfg.parallel.pp  # dp = 1 (build_run refuses more)
+    engines = len(from_config.engine_settings(cfg).device_assignments()) * cfg.rollout.tensor_parallel_size
+    world = {"platform": device_type, "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+             "dp": 1, "engines": engines, "engine": cfg.rollout.engine, "pipeline": cfg.pipeline.mode}
+    rest = history[opts.warmup:]
+    busy = sum(m.get("time/generation_s", 0.0) for m in rest) / len(rest)
+    exposed = sum(min(m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)) for m in rest) / len(rest)
+    extra = {"overlapped_generation_s": busy,
+             "overlapped_reward_s": sum(m.get("time/reward_s", 0.0) for m in rest) / len(rest),
+             "overlap_fraction": 1 - exposed / busy if busy > 0 else 0.0,
+             "groups_dropped": sum(m.get("rollout/groups_dropped", 0.0) for m in rest),
+             "logged_response_tokens": sum(m.get("rollout/response_tokens", 0.0) for m in rest),
+             "frozen_forwards": float(frozen)}
+    return aggregate(measured, scope="e2e", warmup=opts.warmup, devices=world_size + engines,
+                     train_devices=world_size, peak=resolve_peak(opts, device_type, DTYPES[cfg.model.dtype]),
+                     memory=_memory(rest, device_type), world=world, config=config_to_dict(cfg), extra=extra)
+
+
+def _memory(rest: list[Mapping[str, float]], device_type: str) -> tuple[float, str]:
+    """The loop's ``memory/peak_gb`` when it logs one, else this process's peak."""
+    logged = [m["memory/peak_gb"] for m in rest if "memory/peak_gb" in m]
+    return (max(logged), "logged") if logged else peak_memory(device_type)
