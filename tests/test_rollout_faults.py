@@ -134,7 +134,7 @@ def test_failed_collective_is_raised_with_its_cause(tmp_path, monkeypatch):
     try:
         injected = RuntimeError("injected: trainer-side broadcast failed")
 
-        def failing_send(group, tensors):
+        def failing_send(*args):
             raise injected
 
         monkeypatch.setattr(weight_sync_module, "send_tensors", failing_send)

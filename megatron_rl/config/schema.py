@@ -162,6 +162,7 @@ class RolloutConfig:
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
     weight_sync: WeightSync = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
     sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
+    sync_bucket_mb: int = 256  # broadcast sync: tensors travel packed in flat buckets of this many MiB
     # A worker with work in flight that sends nothing for this long is hung: killed, restarted,
     # its requests re-issued. Must exceed the slowest request (and weight load).
     request_timeout_s: float = 600.0

@@ -39,7 +39,7 @@ POSITIVE = (
     "algorithm.advantage.eps",
     "algorithm.temperature", "algorithm.behav_weight_cap", "control.sagc.eta",
     "control.sagc.lambda_max", "control.sagc.prior_alpha", "control.sagc.prior_beta",
-    "rollout.request_timeout_s", "rollout.start_timeout_s", "reward.timeout_s",
+    "rollout.request_timeout_s", "rollout.start_timeout_s", "reward.timeout_s", "rollout.sync_bucket_mb",
 )
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
@@ -249,12 +249,6 @@ def check_streaming(cfg: Config) -> Found:
             "algorithm.advantage.scale",
             "'batch' needs the whole batch before the first group can train, which defeats periodic "
             "asynchrony; use 'group' or 'none'",
-        )
-    if cfg.rollout.weight_sync == "broadcast" and cfg.parallel.pp > 1:
-        yield (
-            "rollout.weight_sync",
-            f"'broadcast' needs parallel.pp = 1 (the leader must hold every tensor), got pp={cfg.parallel.pp}; "
-            "use 'snapshot', which every PP stage writes",
         )
 
 

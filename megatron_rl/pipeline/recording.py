@@ -145,7 +145,7 @@ class NullEngine:
     def update_weights(self, snapshot_dir: str, version: int) -> None:
         self.weight_version = version
 
-    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
+    def update_weights_from_tensors(self, named_tensors, version: int, peers=None) -> None:
         self.weight_version = version
 
     def shutdown(self) -> None:

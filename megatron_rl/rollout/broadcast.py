@@ -1,14 +1,17 @@
-"""Weight sync by collective broadcast: the trainer's leader (rank 0) sends every HF-named
-tensor to the engine workers (ranks 1..n) over a process group of their own.
+"""Weight sync by collective broadcast: one sender (a trainer rank holding HF-named tensors)
+sends them, packed into flat buckets (``buckets``), to the engine workers over a process group
+of their own.
 
 The group is standalone (a TCPStore rendezvous plus a backend process group), so it never
 touches the trainer's torch.distributed world: gloo on CPU, NCCL on CUDA, HCCL on Ascend.
-Tensors go one by one in a fixed order announced beforehand (``TensorSpec``), so no rank
-holds more than the tensor in flight besides its model. This is the device path of DESIGN
+The sender is the group's rank 0; the workers are ranks 1..n. At PP > 1 every pipeline stage
+has a sender and a group of its own with the same workers (``weight_sync.StagePeers``).
+Tensors go in the bucket order both sides derive from the announced ``TensorSpec`` list, so a
+rank holds at most two buckets in flight besides its model. This is the device path of DESIGN
 §5; the snapshot path (``update_weights(snapshot_dir)``) needs no group at all.
 
 Listeners bind to ``GroupAddress.host`` only (``rollout.sync_address``, loopback by default):
-the trainer binds the store's socket itself (``open_listener``; TCPStore alone would listen on
+the sender binds the store's socket itself (``open_listener``; TCPStore alone would listen on
 every interface) and gloo's pair sockets are bound to the same address. NCCL / HCCL open their
 own bootstrap sockets: restrict them with ``NCCL_SOCKET_IFNAME`` / ``HCCL_IF_IP``. Every wait
 is bounded by ``GroupAddress.timeout_s``.
@@ -18,11 +21,16 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.rollout.buckets import TensorSpec, Unpacker, pack, plan_buckets
+
+__all__ = ["GROUP_BACKENDS", "GroupAddress", "TensorSpec", "make_group", "open_listener", "receive_tensors",
+           "send_tensors"]
 
 GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -36,19 +44,6 @@ class GroupAddress:
     world_size: int
     backend: str  # "gloo" | "nccl" | "hccl"
     timeout_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype of one broadcast tensor, announced before the data."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # e.g. "torch.float32"
-
-    @staticmethod
-    def of(name: str, tensor: torch.Tensor) -> TensorSpec:
-        return TensorSpec(name, tuple(tensor.shape), str(tensor.dtype))
 
 
 def open_listener(host: str) -> socket.socket:
@@ -90,21 +85,34 @@ def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | No
     raise ValueError(f"sync group backend {address.backend!r}: expected one of {sorted(GROUP_BACKENDS.values())}")
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+def _broadcast(group, tensor: torch.Tensor):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()  # bounded by the group's timeout (make_group)
+    return group.broadcast([tensor], opts)  # .wait() is bounded by the group's timeout (make_group)
 
 
-def send_tensors(group, tensors: Iterable[torch.Tensor]) -> None:
-    """Rank 0: broadcast ``tensors`` in order (the receivers know their specs)."""
-    for tensor in tensors:
-        _broadcast(group, tensor.contiguous())
+def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
+    """Rank 0: broadcast ``tensors`` (in the order of the specs the receivers were given) in
+    buckets of ``bucket_bytes``; the next bucket is packed while the last one is in flight.
+    Returns the bytes sent."""
+    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+    in_flight, sent = None, 0
+    for bucket in plan_buckets(specs, bucket_bytes):
+        buffer = pack(bucket, tensors)
+        if in_flight is not None:
+            in_flight.wait()
+        in_flight, sent = _broadcast(group, buffer), sent + bucket.nbytes
+    if in_flight is not None:
+        in_flight.wait()
+    return sent
 
 
-def receive_tensors(group, specs: Sequence[TensorSpec], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks > 0: yield ``(name, tensor)`` for each spec as its broadcast arrives."""
-    for spec in specs:
-        tensor = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.removeprefix("torch.")), device=device)
-        _broadcast(group, tensor)
-        yield spec.name, tensor
+def receive_tensors(group, specs: Sequence[TensorSpec], bucket_bytes: int,
+                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ranks > 0: yield ``(name, tensor)`` for every spec as its bucket arrives (a fresh buffer
+    per bucket: the yielded views stay valid after the next one arrives)."""
+    unpacker = Unpacker(specs)
+    for bucket in plan_buckets(specs, bucket_bytes):
+        buffer = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
+        _broadcast(group, buffer).wait()
+        yield from unpacker.feed(bucket, buffer)

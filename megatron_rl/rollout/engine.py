@@ -42,4 +42,5 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
         specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
         start_timeout_s=settings.start_timeout_s, request_timeout_s=settings.request_timeout_s,
         sync_backend=GROUP_BACKENDS[specs[0].device.kind], sync_address=settings.sync_address,
+        sync_bucket_mb=settings.sync_bucket_mb,
     )

@@ -33,7 +33,7 @@ from pathlib import Path
 from megatron_rl.rollout.dispatch import generate_results
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
-from megatron_rl.rollout.weight_sync import WeightSync
+from megatron_rl.rollout.weight_sync import StagePeers, WeightSync
 from megatron_rl.rollout.worker import WorkerSpec
 
 __all__ = ["RolloutWorkerError", "WorkerPool", "WorkerStatus"]
@@ -45,11 +45,12 @@ class WorkerPool:
     def __init__(
         self, specs: Sequence[WorkerSpec], *, max_batch_size: int, max_restarts: int = 3,
         start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, sync_backend: str = "gloo",
-        sync_address: str = "127.0.0.1",
+        sync_address: str = "127.0.0.1", sync_bucket_mb: int = 256,
     ):
         self._sup = Supervisor(specs, max_restarts=max_restarts, start_timeout_s=start_timeout_s,
                                request_timeout_s=request_timeout_s)
-        self._sync = WeightSync(self._sup, group_backend=sync_backend, address=sync_address)
+        self._sync = WeightSync(self._sup, group_backend=sync_backend, address=sync_address,
+                                bucket_mb=sync_bucket_mb)
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()
         self._active: int | None = None  # thread id of the generate() iteration in progress
@@ -90,14 +91,16 @@ class WorkerPool:
             self._prepare("update_weights")
             self._sync.load_snapshot(str(snapshot_dir), version)
 
-    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
+    def update_weights_from_tensors(self, named_tensors, version: int, peers: StagePeers | None = None) -> None:
         """Broadcast HF-named full tensors from this process to every worker (``broadcast``
-        module: gloo / NCCL / HCCL group) and load them as ``version``. The tensors are kept
-        (one model copy, host or device) so a worker restarted later can be given them."""
+        module: gloo / NCCL / HCCL group, flat buckets) and load them as ``version``; ``peers``
+        (PP > 1) send the other pipeline stages' tensors at the same time (``weight_sync``).
+        This process's tensors are kept (host or device) so a worker restarted later can be
+        given them."""
         self._check_version(version)
         with self._lock:
             self._prepare("update_weights")
-            self._sync.push_tensors(named_tensors, version)
+            self._sync.push_tensors(named_tensors, version, peers)
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""

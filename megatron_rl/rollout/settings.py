@@ -84,7 +84,7 @@ class EngineSettings(RolloutConfig):
             raise ValueError(f"rollout.engine={self.engine!r} must be one of {BACKENDS}")
         if self.engine_dtype not in DTYPES:
             raise ValueError(f"rollout.dtype={self.engine_dtype!r} must be one of {DTYPES}")
-        for name in ("num_engines", "tensor_parallel_size", "max_batch_size"):
+        for name in ("num_engines", "tensor_parallel_size", "max_batch_size", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
         if self.weight_sync not in ("snapshot", "broadcast"):

@@ -73,7 +73,9 @@ class RolloutEngine(Protocol):
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast HF-named full tensors to every worker (a gloo / NCCL / HCCL group with
-        this process) and load them as ``version``; return once all run it."""
+        this process) and load them as ``version``; return once all run it. At PP > 1 the
+        trainer passes ``peers=`` (``weight_sync.StagePeers``: the other stages' senders);
+        an engine that takes no ``peers`` supports PP = 1 only."""
         ...
 
     @property

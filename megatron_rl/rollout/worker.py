@@ -3,7 +3,7 @@
 Each worker owns one duplex pipe to the parent and has at most one command outstanding:
 
     parent -> worker: Generate(requests) | LoadWeights(snapshot_dir, version) | Stop()
-                      | JoinSyncGroup(address, rank) | ReceiveWeights(version, specs)
+                      | JoinSyncGroup(addresses, rank) | ReceiveWeights(version, sources, bucket_bytes)
     worker -> parent: Ready(version)                     once, after start-up
                       Result(result)* then Done()        for Generate (one Result per request)
                       Loaded(version)                    for LoadWeights, ReceiveWeights, JoinSyncGroup
@@ -94,14 +94,15 @@ class Stop:
 
 @dataclass(frozen=True)
 class JoinSyncGroup:
-    address: Any  # broadcast.GroupAddress
-    rank: int
+    addresses: tuple  # broadcast.GroupAddress of each sender's group (one per PP stage), in order
+    rank: int  # this worker's rank in every one of them
 
 
 @dataclass(frozen=True)
 class ReceiveWeights:
     version: int
-    specs: tuple  # broadcast.TensorSpec, in broadcast order
+    sources: tuple  # per group (JoinSyncGroup order): the broadcast.TensorSpec tuple its sender sends
+    bucket_bytes: int  # rollout.sync_bucket_mb in bytes (both sides plan the same buckets)
 
 
 @dataclass(frozen=True)
@@ -164,15 +165,19 @@ def worker_main(spec: WorkerSpec, conn, snapshot_dir: str | None, version: int) 
 
 
 def _sync_command(backend: WorkerBackend, command, group_box: list, version: int) -> int:
-    """Join the broadcast group, or receive a weight version through it; returns the version."""
+    """Join the broadcast groups, or receive a weight version through them; returns the version."""
     from megatron_rl.rollout.broadcast import make_group, receive_tensors
 
     if isinstance(command, JoinSyncGroup):
-        group_box[:] = [make_group(command.address, command.rank)]
+        group_box[:] = [make_group(address, command.rank) for address in command.addresses]
         return version
-    if not group_box:
-        raise RuntimeError("ReceiveWeights before JoinSyncGroup")
-    backend.load_tensors(receive_tensors(group_box[0], command.specs, backend.device))
+    if len(group_box) != len(command.sources):
+        raise RuntimeError(f"ReceiveWeights from {len(command.sources)} senders, but {len(group_box)} groups joined")
+    device = backend.device
+    backend.load_tensors(
+        item for group, specs in zip(group_box, command.sources, strict=True)
+        for item in receive_tensors(group, specs, command.bucket_bytes, device)
+    )
     return command.version
 
 

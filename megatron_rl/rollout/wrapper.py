@@ -26,8 +26,9 @@ class EngineWrapper:
     def update_weights(self, snapshot_dir: str, version: int) -> None:
         self.inner.update_weights(snapshot_dir, version)
 
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.inner.update_weights_from_tensors(named_tensors, version)
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                                    **peers) -> None:
+        self.inner.update_weights_from_tensors(named_tensors, version, **peers)  # peers= at PP > 1
 
     @property
     def weight_version(self) -> int:

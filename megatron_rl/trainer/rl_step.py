@@ -5,10 +5,12 @@ gradients accumulate), ``optimizer_step`` (one per mini-batch), ``sync_weights``
 new policy to the engines, then snapshot it as the next batch's old policy) and ``save``.
 Every rank of the replica must make the same calls in the same order (DESIGN §5).
 
-The replica's leader (its first rank) runs the pipeline and owns the engine pool; it drives
-the replica through ``LeaderReplica``, which broadcasts each call to the other ranks before
-running it. They replay the calls with ``follow`` through the ``REPLICA_CALLS`` table of
-public ``Replica`` methods until the leader says stop.
+Global rank 0 (the leader of replica 0) runs the pipeline and owns the engine pool; it drives
+the replicas through ``LeaderReplica``, which broadcasts each call to the other ranks of its
+replica before running it, and at DP > 1 sends it to the other replicas' leaders too
+(``data_parallel``; a micro-batch goes to the one replica it was routed to). The other ranks
+replay the calls with ``follow`` through the ``REPLICA_CALLS`` table of public ``Replica``
+methods until rank 0 says stop.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models import DecoderSpec, export_hf_tensors, save_hf_checkpoint
+from megatron_rl.models import DecoderSpec, save_hf_checkpoint
 from megatron_rl.pipeline import MicroBatch
 from megatron_rl.rollout.types import RolloutEngine
-from megatron_rl.trainer.checkpoint import RunState, finalize, save_optimizer, staging_dir
+from megatron_rl.trainer.checkpoint import RunState, finalize, staging_dir
+from megatron_rl.trainer.data_parallel import DispatchChannel
+from megatron_rl.trainer.optimizer_state import save_optimizer_state
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
 from megatron_rl.trainer.stop import StopRequest
 
@@ -56,10 +60,11 @@ class Replica:
 
     def __init__(self, trainer: PolicyTrainer, policy, spec: DecoderSpec, *, engine: RolloutEngine | None,
                  snapshot_root: str | Path, source_dir: str | Path, channel: ReplicaChannel,
-                 weight_sync: str = "snapshot") -> None:
+                 weight_sync: str = "snapshot", dispatch: DispatchChannel | None = None) -> None:
+        """``dispatch``: rank 0 -> the other replicas' leaders (DP > 1), else None."""
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
-        self.channel, self.weight_sync = channel, weight_sync
+        self.channel, self.weight_sync, self.dispatch = channel, weight_sync, dispatch
         self.stop = StopRequest()  # installed by the loop
         self.results: list[MiniBatchResult] = []
         self.seconds = {"train": 0.0, "optimizer": 0.0, "weight_sync": 0.0}  # since the last pop_results()
@@ -78,37 +83,46 @@ class Replica:
         self.seconds["optimizer"] += time.perf_counter() - start
 
     def sync_weights(self, version: int) -> int:
-        """Hand the policy to the engines as ``version`` (a broadcast from the leader, TP shards
-        gathered tensor by tensor; or a HF snapshot every PP stage writes and the engines
-        reload), then snapshot it as the next batch's old policy. Returns ``version``."""
+        """Hand the policy to the engines as ``version`` (``broadcast``: each PP stage's TP rank
+        0 sends its stage's HF tensors in flat buckets, ``trainer.stage_sync``; or a HF snapshot
+        every PP stage writes and the engines reload), then snapshot it as the next batch's old
+        policy. Adds to ``seconds``: ``weight_sync`` (all of it), ``weight_sync_transfer`` (the
+        hand-over alone) and ``weight_sync_bytes`` (bytes of the HF tensors handed over; GB/s =
+        bytes / 1e9 / transfer). Returns ``version``."""
+        from megatron_rl.trainer.stage_sync import StageSender, broadcast_weights
+
         start = time.perf_counter()
         if self.weight_sync == "broadcast":
-            tensors = list(export_hf_tensors(self.policy, self.spec))  # collective over TP
-            if self.engine is not None:
-                self.engine.update_weights_from_tensors(tensors, version)
+            self.__dict__.setdefault("stage_sender", StageSender())  # its sync groups outlive one call
+            nbytes = broadcast_weights(self, version)
         else:
             snapshot = self.snapshot_root / f"v{version}"
             save_hf_checkpoint(self.policy, self.spec, snapshot, source_dir=self.source_dir)
+            nbytes = sum(f.stat().st_size for f in snapshot.glob("*.safetensors"))
             if self.engine is not None:
                 self.engine.update_weights(str(snapshot), version)
                 shutil.rmtree(self.snapshot_root / f"v{version - 2}", ignore_errors=True)  # keep two
+        transfer = time.perf_counter() - start
         self.trainer.begin_batch()
         self.seconds["weight_sync"] += time.perf_counter() - start
+        for key, value in (("weight_sync_transfer", transfer), ("weight_sync_bytes", float(nbytes))):
+            self.seconds[key] = self.seconds.get(key, 0.0) + value
         return version
 
     def save(self, path: str) -> None:
-        """Write this rank's share of a checkpoint into ``path``'s staging directory."""
+        """Write this rank's share of a checkpoint into ``path``'s staging directory: weights and
+        optimizer state per HF parameter, so any layout can resume it (collective over the world)."""
         staging = staging_dir(path)
         save_hf_checkpoint(self.policy, self.spec, staging / "model", source_dir=self.source_dir)
-        save_optimizer(self.trainer.optimizer, staging)
-        if self.channel.size > 1:
-            dist.barrier(group=self.channel.group)  # every rank's optimizer file is written
+        save_optimizer_state(self.trainer.optimizer, self.policy, self.spec, staging / "optimizer")
+        if dist.get_world_size() > 1:
+            dist.barrier()  # every rank's files are written
 
     def poll_stop(self) -> bool:
-        """True on every rank if any rank of the replica was asked to stop (SIGTERM / SIGINT)."""
+        """True on every rank if any rank of the world was asked to stop (SIGTERM / SIGINT)."""
         flag = torch.tensor([1 if self.stop.requested else 0], dtype=torch.int64)
-        if self.channel.size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.channel.group)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
@@ -126,13 +140,19 @@ REPLICA_CALLS: dict[str, Callable[..., Any]] = {
 
 
 class LeaderReplica:
-    """The replica as its leader drives it: every call is sent to the followers, then run here."""
+    """The replicas as rank 0 drives them: every call is sent to the followers (and the other
+    replicas' leaders), then run here; a micro-batch only where it was routed."""
 
     def __init__(self, replica: Replica) -> None:
-        self.replica, self.channel = replica, replica.channel
+        self.replica, self.channel, self.dispatch = replica, replica.channel, replica.dispatch
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
-        self._call("train_micro_batch", mb)
+        if mb.replica == 0:
+            self._call("train_micro_batch", mb, remote=False)
+        elif self.dispatch is None:
+            raise RuntimeError(f"micro-batch routed to replica {mb.replica} in a run without data parallelism")
+        else:
+            self.dispatch.send(mb.replica, ("train_micro_batch", (mb,)))
 
     def optimizer_step(self) -> None:
         self._call("optimizer_step")
@@ -154,16 +174,25 @@ class LeaderReplica:
 
     def stop_followers(self) -> None:
         self.channel.send(("stop", ()))
+        if self.dispatch is not None:
+            self.dispatch.send_all(("stop", ()))
+            self.dispatch.flush()
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any, remote: bool = True) -> Any:
+        if remote and self.dispatch is not None:
+            self.dispatch.send_all((name, args))
         self.channel.send((name, args))
         return REPLICA_CALLS[name](self.replica, *args)
 
 
 def follow(replica: Replica) -> None:
-    """Non-leader ranks: replay the leader's calls until it says stop."""
+    """Every rank but 0: replay rank 0's calls until it says stop. The leader of another DP
+    replica receives them from rank 0 (``data_parallel``) and relays them to its own ranks."""
+    inbox = replica.dispatch if replica.channel.is_leader else None
     while True:
-        name, args = replica.channel.recv()
+        name, args = inbox.recv() if inbox is not None else replica.channel.recv()
+        if inbox is not None:
+            replica.channel.send((name, args))
         if name == "stop":
             return
         if name not in REPLICA_CALLS:
