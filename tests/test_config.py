@@ -328,7 +328,7 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
         (["algorithm.advantage.scale=batch"], {"algorithm.advantage.scale"}, ["defeats periodic"]),
         (["pipeline.micro_batch_tokens=300"], {"pipeline.micro_batch_tokens"},
          ["data.max_prompt_tokens (512) + rollout.sampling.max_new_tokens (256) = 768"]),
-        (["rollout.weight_sync=broadcast", "parallel.pp=2"], {"rollout.weight_sync"}, ["parallel.pp = 1"]),
+        (["rollout.sync_bucket_mb=0"], {"rollout.sync_bucket_mb"}, ["> 0"]),
         (
             ["control.kind=sagc", "control.sagc.candidates=[1, 4]", "control.group_size=4"],
             {"control.sagc.candidates"},
