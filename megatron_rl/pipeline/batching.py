@@ -12,6 +12,11 @@ later mini-batches that complete early wait in a buffer (they must see the weigh
 step j). A micro-batch is cut when the next group would overflow the token budget, or when
 the queue is momentarily empty (``flush_when_idle``), so training overlaps generation.
 
+Data parallelism (``replicas`` > 1): every kept group is given, when it is cut into the
+mini-batch, to the replica with the fewest packed tokens so far this step
+(``dispatch.TokenRouter``), and micro-batches are packed per replica (``MicroBatch.replica``).
+Which replica trains a group changes only where its gradient is summed, not the sum.
+
 The caller iterates ``StepBatch.mini_batches()`` in order and each mini-batch to its end
 before the next; a mini-batch whose groups were all dropped (dynamic sampling) yields no
 micro-batch.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from megatron_rl.pipeline.dispatch import TokenRouter
 from megatron_rl.pipeline.records import (
     BatchEnd,
     BatchStart,
@@ -38,7 +44,7 @@ class StepBatch:
 
     def __init__(self, *, start: BatchStart, policy_version: int, num_mini_batches: int, token_budget: int,
                  streamed: bool, flush_when_idle: bool, pop: Callable[[], QueueItem],
-                 queue_empty: Callable[[], bool]) -> None:
+                 queue_empty: Callable[[], bool], replicas: int = 1) -> None:
         m, n = num_mini_batches, start.num_prompts
         if n % m:
             raise ValueError(f"step {start.step}: {n} prompts cannot be split into trainer.mini_batches={m} "
@@ -54,6 +60,7 @@ class StepBatch:
         self.num_micro_batches = 0
         self.overlapped_micro_batches = 0  # handed out while groups of the step were still generating
         self._next_mini = 0
+        self.router = TokenRouter(replicas)  # which DP replica trains each group
 
     def mini_batches(self) -> Iterator[Iterator[MicroBatch]]:
         """``num_mini_batches`` iterators of micro-batches, in prompt order (see the module doc)."""
@@ -96,14 +103,17 @@ class StepBatch:
     def _synced_mini(self, j: int) -> Iterator[MicroBatch]:
         """sync: the kept groups of mini-batch j in prompt order, packed under the budget."""
         kept = sorted((g for g in self.groups if g.kept and self.mini_batch_of(g) == j), key=lambda g: g.prompt_index)
-        for chunk in chunk_by_tokens(kept, self._budget):
-            yield self._micro_batch(chunk, j)
+        routed: list[list[ScoredGroup]] = [[] for _ in range(self.router.replicas)]
+        for group in kept:
+            routed[self.router.assign(group.num_packed_tokens)].append(group)
+        for r in reversed(range(self.router.replicas)):  # replica 0 (rank 0's own) last: the others start first
+            for chunk in chunk_by_tokens(routed[r], self._budget):
+                yield self._micro_batch(chunk, j, r)
         self._next_mini = j + 1
 
     def _streamed_mini(self, j: int) -> Iterator[MicroBatch]:
         """periodic / stale: mini-batch j's groups as they arrive (earlier arrivals first)."""
-        buf: list[ScoredGroup] = []
-        used = 0  # packed tokens in buf
+        bufs: list[list[ScoredGroup]] = [[] for _ in range(self.router.replicas)]  # per replica
         pending, self._waiting[j] = self._waiting[j], []
         while pending or self._seen[j] < self._per_mini:
             group = pending.pop(0) if pending else self._receive()
@@ -112,20 +122,25 @@ class StepBatch:
             if self.mini_batch_of(group) != j:
                 self._waiting[self.mini_batch_of(group)].append(group)
                 continue
+            r = self.router.assign(group.num_packed_tokens)
             for part in split_group(group, self._budget):
-                if buf and used + part.num_packed_tokens > self._budget:
-                    yield self._micro_batch(buf, j)
-                    buf, used = [], 0
-                buf.append(part)
-                used += part.num_packed_tokens
-            if buf and not pending and self._flush_when_idle and self._queue_empty():
-                yield self._micro_batch(buf, j)
-                buf, used = [], 0
-        if buf:
-            yield self._micro_batch(buf, j)
+                if bufs[r] and sum(g.num_packed_tokens for g in bufs[r]) + part.num_packed_tokens > self._budget:
+                    yield self._micro_batch(bufs[r], j, r)
+                    bufs[r] = []
+                bufs[r].append(part)
+            if not pending and self._flush_when_idle and self._queue_empty():
+                yield from self._flush(bufs, j)
+        yield from self._flush(bufs, j)
         self._next_mini = j + 1
 
-    def _micro_batch(self, groups: list[ScoredGroup], j: int) -> MicroBatch:
+    def _flush(self, bufs: list[list[ScoredGroup]], j: int) -> Iterator[MicroBatch]:
+        """A micro-batch of each replica's non-empty buffer (emptied); replica 0 (rank 0's own) last."""
+        for r in reversed(range(len(bufs))):
+            if buf := bufs[r]:
+                bufs[r] = []
+                yield self._micro_batch(buf, j, r)
+
+    def _micro_batch(self, groups: list[ScoredGroup], j: int, replica: int = 0) -> MicroBatch:
         self.num_micro_batches += 1
         self.overlapped_micro_batches += self._generating()
-        return make_micro_batch(groups, policy_version=self.policy_version, mini_batch=j)
+        return make_micro_batch(groups, policy_version=self.policy_version, mini_batch=j, replica=replica)

@@ -106,7 +106,8 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float,
         num_micro_batches=batch.num_micro_batches, overlapped_micro_batches=batch.overlapped_micro_batches,
         trained_groups=len(kept_groups), trained_responses=len(kept),
         trained_response_tokens=sum(len(s.response_ids) for s in kept),
-        reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s, extra_metrics=dict(extra_metrics or {}),
+        reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s,
+        extra_metrics={**(extra_metrics or {}), "train/dp_imbalance": batch.router.imbalance()},
     )
 
 
@@ -118,10 +119,12 @@ class Pipeline:
         controller: GroupSizeController, sampling: SamplingSettings, scoring: GroupScoring,
         settings: PipelineSettings, num_steps: int, start_step: int = 0, record: str | Path | None = None,
         replay: str | Path | None = None, extra_metrics: Callable[[], dict[str, float]] | None = None,
+        replicas: int = 1,
     ) -> None:
         """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
         a file instead of generating (``engine`` is then a ``recording.NullEngine``);
-        ``extra_metrics``: counters added to every step's summary (data skipped, reward failures)."""
+        ``extra_metrics``: counters added to every step's summary (data skipped, reward failures);
+        ``replicas``: data-parallel replicas the micro-batches are routed to (``pipeline.dispatch``)."""
         if num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
         self.settings, self._engine = settings, engine
@@ -142,18 +145,19 @@ class Pipeline:
                 record=self._recorder,
             )
         self._extra_metrics = extra_metrics or dict
+        self._replicas = replicas
         self._current: StepBatch | None = None
         self._wait_s = 0.0
         self._started = self._closed = False
 
     @classmethod
     def replaying(cls, path: str | Path, *, engine: NullEngine, settings: PipelineSettings, num_steps: int,
-                  start_step: int = 0) -> Pipeline:
+                  start_step: int = 0, replicas: int = 1) -> Pipeline:
         """A pipeline fed by a recording (``rollout.record``) instead of engines: no reward function,
         prompts or controller; ``engine`` only counts versions (``python -m megatron_rl replay``)."""
         return cls(engine=engine, prompts=None, reward_fn=None, detokenize=None, controller=None,
                    sampling=None, scoring=None, settings=settings, num_steps=num_steps, start_step=start_step,
-                   replay=path)
+                   replay=path, replicas=replicas)
 
     def start(self) -> Pipeline:
         """Start the producer thread (idempotent)."""
@@ -196,7 +200,7 @@ class Pipeline:
         self._current = StepBatch(
             start=start, policy_version=self.schedule.policy_version(self._batch_index),
             num_mini_batches=s.mini_batches, token_budget=s.micro_batch_tokens, streamed=s.mode != "sync",
-            flush_when_idle=s.flush_when_idle, pop=self._pop, queue_empty=self._queue.empty,
+            flush_when_idle=s.flush_when_idle, pop=self._pop, queue_empty=self._queue.empty, replicas=self._replicas,
         )
         return self._current
 

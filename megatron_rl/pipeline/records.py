@@ -147,6 +147,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [R] float32
     behav_logprobs: torch.Tensor  # [N] float32
     versions: torch.Tensor  # [R] int64, weight version that generated each response
+    replica: int = 0  # DP replica that trains it (``pipeline.dispatch``)
 
     @property
     def token_advantages(self) -> torch.Tensor:
@@ -176,7 +177,8 @@ def to_token_group(group: ScoredGroup) -> TokenGroup:
     )
 
 
-def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini_batch: int = 0) -> MicroBatch:
+def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini_batch: int = 0,
+                     replica: int = 0) -> MicroBatch:
     """Pack kept groups (in the given order) into one ``MicroBatch``; no token budget check here."""
     if not groups:
         raise ValueError("make_micro_batch needs at least one group")
@@ -195,6 +197,7 @@ def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini
         advantages=torch.cat([g.advantages.to(torch.float32) for g in groups]),
         behav_logprobs=torch.tensor([lp for s in samples for lp in s.behav_logprobs], dtype=torch.float32),
         versions=torch.tensor([s.weight_version for s in samples], dtype=torch.int64),
+        replica=replica,
     )
 
 

@@ -1,10 +1,13 @@
-"""Training checkpoints: policy weights (HF safetensors), optimizer state per rank, and the
-run state (step, group-size controller, prompt stream, config) — enough to resume exactly.
+"""Training checkpoints: policy weights (HF safetensors), optimizer state, and the run state
+(step, group-size controller, prompt stream, config) — enough to resume exactly.
 
 Layout of ``<save_dir>/step_N``::
 
     model/              HF checkpoint of the policy (loadable by transformers, vLLM, the trainer)
-    optimizer/rank_R.pt this rank's optimizer state: plain containers of tensors and scalars
+    optimizer/          Adam state per HF-named parameter (``optimizer_state``): the trainer
+                        writes this, and any TP x PP x DP layout resumes it
+    optimizer/rank_R.pt (older checkpoints, ``save_optimizer``) one rank's optimizer state
+                        dict: plain containers of tensors and scalars; same layout only
     trainer_state.json  {"step", "controller", "prompt_stream", "config"}
     manifest.json       {"format", "files": {relative path: {"size", "sha256"}}}, written last
 

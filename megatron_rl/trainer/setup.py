@@ -2,8 +2,10 @@
 
 ``build_run`` initialises the parallel state, builds this rank's ``Replica`` (policy, old /
 reference copies, optimizer; resumed from a checkpoint when ``trainer.resume_from`` is set)
-and, on the replica's leader, the engine pool, the pipeline (prompts, reward, group-size
-controller, sampling) and the metrics logger. The loop (``trainer.loop``) only runs steps.
+and, on global rank 0, the engine pool, the pipeline (prompts, reward, group-size
+controller, sampling) and the metrics logger. At DP > 1 rank 0 is the one dispatcher of
+every replica's micro-batches (``pipeline.dispatch``, ``trainer.data_parallel``). The loop
+(``trainer.loop``) only runs steps.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
 from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state
+from megatron_rl.trainer.data_parallel import DispatchChannel
 from megatron_rl.trainer.metrics import MetricsLogger
+from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
 from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
 
 EngineFactory = Callable[[EngineSettings], RolloutEngine]
@@ -35,17 +39,18 @@ EngineFactory = Callable[[EngineSettings], RolloutEngine]
 
 @dataclass(kw_only=True)
 class Run:
-    """One rank's run: the replica everywhere; pipeline and logger on the replica's leader."""
+    """One rank's run: the replica everywhere; pipeline and logger on global rank 0."""
 
     replica: Replica
     first_step: int  # 0, or the resumed checkpoint's step
-    pipeline: Pipeline | None  # None on followers
+    pipeline: Pipeline | None  # None but on global rank 0
     logger: MetricsLogger | None
     snapshot_root: Path
 
     @property
     def is_leader(self) -> bool:
-        return self.replica.channel.is_leader
+        """Global rank 0: runs the loop and drives every replica (the others ``follow``)."""
+        return self.pipeline is not None
 
     def cleanup(self) -> None:
         self.replica.stop.uninstall()
@@ -60,31 +65,29 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
     ``replay`` (a ``rollout.record`` file) the pipeline replays it and no engine starts."""
     _, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed, platform=platform)
     validate_world(cfg, layout.world_size)
-    if layout.dp != 1:
-        raise ConfigError([Problem(key="parallel.dp", message=(
-            f"data-parallel RL runs (dp={layout.dp}) are not supported yet: launch parallel.tp x parallel.pp = "
-            f"{cfg.parallel.tp * cfg.parallel.pp} processes"))])
     resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
     policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
     trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
-    if resume:
+    if resume and is_resharding_checkpoint(Path(cfg.trainer.resume_from) / "optimizer"):
+        load_optimizer_state(trainer.optimizer, policy, spec, Path(cfg.trainer.resume_from) / "optimizer")
+    elif resume:  # per-rank files of an older checkpoint: the same layout only
         load_optimizer(trainer.optimizer, cfg.trainer.resume_from)
-    channel = ReplicaChannel()
+    channel, dispatch = ReplicaChannel(), DispatchChannel() if layout.dp > 1 else None
     snapshots = _shared_snapshot_root()
-    engine = None
-    if channel.is_leader:
+    engine, driver = None, dist.get_rank() == 0
+    if driver:
         engine = NullEngine() if replay else (engine_factory or build_engine)(
             from_config.engine_settings(cfg, model_path=policy_path))
     replica = Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
-                      channel=channel, weight_sync=cfg.rollout.weight_sync)
+                      channel=channel, weight_sync=cfg.rollout.weight_sync, dispatch=dispatch)
     first = resume.step if resume else 0
-    if not channel.is_leader:
+    if not driver:
         return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=snapshots)
     if replay:
         pipeline = Pipeline.replaying(replay, engine=engine, settings=from_config.pipeline_settings(cfg),
-                                      num_steps=cfg.trainer.steps - first, start_step=first)
+                                      num_steps=cfg.trainer.steps - first, start_step=first, replicas=layout.dp)
     else:
-        pipeline = build_pipeline(cfg, engine, resume)
+        pipeline = build_pipeline(cfg, engine, resume, replicas=layout.dp)
     return Run(replica=replica, first_step=first, pipeline=pipeline, logger=MetricsLogger(cfg.trainer.log_dir),
                snapshot_root=snapshots)
 
@@ -103,9 +106,10 @@ def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeControlle
     return controller
 
 
-def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None) -> Pipeline:
+def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, *, replicas: int = 1) -> Pipeline:
     """Prompts, guarded reward, controller and sampling wired into the producer/consumer pipeline
-    (continuing a checkpoint's prompt stream, controller state and step count when resuming).
+    (continuing a checkpoint's prompt stream, controller state and step count when resuming),
+    routing micro-batches to ``replicas`` data-parallel replicas.
     What the data loader skipped is printed once; the pipeline's ``extra_metrics`` reports the
     data and reward-guard counters every step."""
     from transformers import AutoTokenizer
@@ -126,7 +130,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None) 
         controller=build_controller(cfg, resume), sampling=from_config.sampling_settings(cfg, tokenizer),
         scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
         num_steps=cfg.trainer.steps - start, start_step=start, record=cfg.rollout.record,
-        extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()},
+        extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()}, replicas=replicas,
     )
 
 
