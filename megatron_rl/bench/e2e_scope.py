@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from megatron_rl.bench.flops import GroupShape, training_flops
 from megatron_rl.bench.options import BenchOptions, peak_memory, resolve_peak
-from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate
+from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate, phases_from_metrics
 from megatron_rl.config import Config, config_to_dict
 from megatron_rl.models import decoder_spec_from_hf, read_hf_config
 from megatron_rl.rollout.wrapper import EngineWrapper
@@ -47,19 +47,6 @@ class ShapeRecorder(EngineWrapper):
         """The groups generated for ``step``, in the order they were first seen."""
         return tuple(GroupShape(prompt_len=self.prompt_len[key], response_lens=tuple(lens))
                      for key, lens in self.response_lens.items() if key[0] == step)
-
-
-def phases_from_metrics(m: Mapping[str, float]) -> dict[str, float]:
-    """The exclusive phase seconds of one logged step (see the module docstring)."""
-    wait, busy = m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)
-    reward_share = min(m.get("time/reward_s", 0.0) / busy, 1.0) if busy > 0 else 0.0
-    covered = min(wait, busy)
-    out = {"generation": covered * (1 - reward_share), "reward": covered * reward_share,
-           "queue_wait": wait - covered}
-    out.update({name: m.get(f"time/{name}_s", 0.0) for name in ("train", "optimizer", "weight_sync")})
-    if "time/idle_s" in m:
-        out["idle"] = m["time/idle_s"]
-    return out
 
 
 def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:

@@ -114,6 +114,24 @@ def aggregate(measured: Sequence[StepMeasure], *, scope: str, warmup: int, devic
     )
 
 
+def phases_from_metrics(m: Mapping[str, float]) -> dict[str, float]:
+    """The exclusive phase seconds (no ``idle`` unless logged) of one logged step of the loop.
+
+    ``train`` / ``optimizer`` / ``weight_sync`` are the loop's ``time/…_s``; the trainer's queue
+    wait is the exposed rollout, split into ``generation`` and ``reward`` in the producer's own
+    proportion (``time/reward_s`` of ``time/generation_s``) and capped at the producer's busy time;
+    the rest of the wait stays ``queue_wait``. ``idle`` is ``time/idle_s`` when logged."""
+    wait, busy = m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)
+    reward_share = min(m.get("time/reward_s", 0.0) / busy, 1.0) if busy > 0 else 0.0
+    covered = min(wait, busy)
+    out = {"generation": covered * (1 - reward_share), "reward": covered * reward_share,
+           "queue_wait": wait - covered}
+    out.update({name: m.get(f"time/{name}_s", 0.0) for name in ("train", "optimizer", "weight_sync")})
+    if "time/idle_s" in m:
+        out["idle"] = m["time/idle_s"]
+    return out
+
+
 def table_rows(result: BenchResult) -> list[tuple[str, str]]:
     """(name, value) rows of the human-readable table."""
     r = result
