@@ -1,10 +1,33 @@
 #!/usr/bin/env bash
-# Launch a recipe: examples/launch.sh CONFIG.yaml [a.b.c=value ...]
-# NPROC ranks (tp x pp x dp) with torchrun; the model comes from `python tools/prepare_model.py`.
+# Launch a recipe with torchrun on this node: examples/launch.sh CONFIG.yaml [a.b.c=value ...]
+#
+# One node:   NPROC_PER_NODE=4 examples/launch.sh CONFIG.yaml
+# Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] NPROC_PER_NODE=4 \
+#               examples/launch.sh CONFIG.yaml
+# NPROC_PER_NODE is the node's training ranks: its devices minus the engine devices of rollout.devices
+# (`python -m megatron_rl plan CONFIG --nodes N --devices-per-node D --device KIND` prints the layout).
+# ROLLOUT_DEVICES, PLATFORM, SOCKET_IFNAME, NODE_IP: see examples/platform_env.sh.
+# MEGATRON_RL_DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
+if [[ $# -lt 1 ]]; then
+  echo "usage: $0 CONFIG.yaml [a.b.c=value ...]" >&2
+  exit 2
+fi
 CONFIG=$1; shift
 cd "$(dirname "$0")/.."
-NPROC=${NPROC:-1}
-export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "${PY:-.venv/bin/python}" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
-  -m megatron_rl train "$CONFIG" "$@"
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+NPROC_PER_NODE=${NPROC_PER_NODE:-${NPROC:-1}}
+MASTER_PORT=${MASTER_PORT:-29500}
+# shellcheck source=examples/platform_env.sh
+source examples/platform_env.sh
+
+if [[ $NNODES == 1 && -z ${MASTER_ADDR:-} ]]; then
+  rendezvous=(--standalone)
+else
+  # static rendezvous: every node names node 0's address; the ranks use torchrun's agent store
+  rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:?set MASTER_ADDR to node 0}"
+              --master_port "$MASTER_PORT")
+fi
+run_or_print "${PY:-.venv/bin/python}" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \
+  -m megatron_rl train "$CONFIG" --platform "$PLATFORM" "${ROLLOUT_OVERRIDES[@]}" "$@"

@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.bench.options import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
+    plan = sub.add_parser("plan", help="print ranks, engines and memory per training device; refuse what does not fit")
+    plan.add_argument("config", help="YAML config file (see examples/recipes/)")
+    plan.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+    from megatron_rl.plan.command import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
     check = sub.add_parser("check-config", help="load and validate a config, print it resolved")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
@@ -54,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0
+    if args.command == "plan":
+        from megatron_rl.plan.command import plan_command
+
+        return plan_command(cfg, args)
     if args.command == "bench":
         from megatron_rl.bench.runner import bench_command
 

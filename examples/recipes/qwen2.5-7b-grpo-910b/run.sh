@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# qwen2.5-7b-grpo-910b with torchrun, on every node (see config.yaml for the layout):
+#   MODEL_DIR=/path/to/Qwen2.5-7B-Instruct [NNODES=2 NODE_RANK=<rank> MASTER_ADDR=<node 0 address>] examples/recipes/qwen2.5-7b-grpo-910b/run.sh [a.b.c=value ...]
+# NPROC_PER_NODE (4) = devices per node - engine devices (`python -m megatron_rl plan` prints it).
+set -euo pipefail
+export PLATFORM=${PLATFORM:-npu} NNODES=${NNODES:-2} NPROC_PER_NODE=${NPROC_PER_NODE:-4}
+exec "$(dirname "$0")/../../launch.sh" examples/recipes/qwen2.5-7b-grpo-910b/config.yaml \
+  "model.hf_path=${MODEL_DIR:?set MODEL_DIR to the Qwen2.5-7B-Instruct checkpoint directory}" "$@"

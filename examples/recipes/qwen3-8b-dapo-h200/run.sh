@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# qwen3-8b-dapo-h200 with torchrun, on every node (see config.yaml for the layout):
+#   MODEL_DIR=/path/to/Qwen3-8B [NNODES=1 NODE_RANK=<rank> MASTER_ADDR=<node 0 address>] examples/recipes/qwen3-8b-dapo-h200/run.sh [a.b.c=value ...]
+# NPROC_PER_NODE (4) = devices per node - engine devices (`python -m megatron_rl plan` prints it).
+set -euo pipefail
+export PLATFORM=${PLATFORM:-cuda} NNODES=${NNODES:-1} NPROC_PER_NODE=${NPROC_PER_NODE:-4}
+exec "$(dirname "$0")/../../launch.sh" examples/recipes/qwen3-8b-dapo-h200/config.yaml \
+  "model.hf_path=${MODEL_DIR:?set MODEL_DIR to the Qwen3-8B checkpoint directory}" "$@"

@@ -1,0 +1,30 @@
+"""Launch planning: where every rank and engine runs and how much device memory a training
+rank needs, before anything launches (``python -m megatron_rl plan``).
+
+Modules: `devices` (device memory table), `layout` (ranks and engines per node, megatron's
+TP / PP / DP coordinates), `memory` (the per-device memory model), `build` (config -> `Plan`,
+fit verdict, knob advice), `report` (the printed text).
+"""
+
+from .build import Plan, build_plan
+from .devices import DEVICES, DeviceSpec, device_spec
+from .layout import ClusterLayout, LayoutError, plan_layout
+from .memory import MemorySettings, MicroBatchShape, ModelDims, StageMemory, estimate_memory
+from .report import render
+
+__all__ = [
+    "DEVICES",
+    "ClusterLayout",
+    "DeviceSpec",
+    "LayoutError",
+    "MemorySettings",
+    "MicroBatchShape",
+    "ModelDims",
+    "Plan",
+    "StageMemory",
+    "build_plan",
+    "device_spec",
+    "estimate_memory",
+    "plan_layout",
+    "render",
+]

@@ -1,0 +1,134 @@
+"""A launch plan from a validated `Config`: layout, tri-model residency, memory, verdict.
+
+`build_plan(cfg, nodes=…, devices_per_node=…, device=…)` reads the architecture from
+``<model.hf_path>/config.json``, places ranks and engines (`layout.py`), asks the tri-model
+plan which copies run (`trimodel/plan.py`), sizes one training device (`memory.py`) and, when
+the largest stage does not fit the device (`devices.py`), searches one knob at a time
+(parallel.tp, parallel.pp, parallel.distributed_optimizer, pipeline.micro_batch_tokens,
+model.megatron.recompute_granularity) for values that would fit: the refusal names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config.schema import Config
+from megatron_rl.models.hf_config import decoder_spec_from_hf, parallel_fit, read_hf_config
+from megatron_rl.plan.devices import DeviceSpec, device_spec
+from megatron_rl.plan.layout import ClusterLayout, plan_layout
+from megatron_rl.plan.memory import (
+    MemorySettings,
+    MicroBatchShape,
+    ModelDims,
+    StageMemory,
+    estimate_memory,
+    with_changes,
+)
+from megatron_rl.trimodel.plan import TriModelPlan, plan_trimodel
+
+AUTO_BACKEND = {"npu": "npu", "cuda": "triton", "cpu": "split"}  # attention.backend auto, by device kind
+BACKEND_KIND = {"npu": "npu", "triton": "cuda"}  # backends bound to one device kind
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything `python -m megatron_rl plan` prints, and its verdict."""
+
+    layout: ClusterLayout
+    device: DeviceSpec
+    dims: ModelDims
+    model_type: str
+    settings: MemorySettings
+    trimodel: TriModelPlan
+    stages: tuple[StageMemory, ...]
+    advice: tuple[str, ...]  # knob changes that would make a refused plan fit
+
+    @property
+    def worst(self) -> StageMemory:
+        """The stage with the most memory per device (what must fit)."""
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.device.usable_bytes
+
+
+def micro_batch_shape(cfg: Config, tokens: int | None = None) -> MicroBatchShape:
+    """The largest micro-batch the config allows: `tokens` (default pipeline.micro_batch_tokens)
+    filled with groups of the longest prompt and as many of the longest responses as fit (up
+    to the largest group size)."""
+    t = tokens or cfg.pipeline.micro_batch_tokens
+    lp, lr = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
+    g = max(cfg.control.sagc.candidates) if cfg.control.kind == "sagc" else cfg.control.group_size
+    k = max(1, min(g, (t - lp) // lr))
+    return MicroBatchShape(tokens=t, prompt_len=lp, response_len=lr, responses=k, parts=max(1, t // (lp + k * lr)))
+
+
+def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trimodel: TriModelPlan) -> MemorySettings:
+    """The memory model's inputs for `cfg` on `layout`."""
+    backend = cfg.attention.backend
+    if backend == "auto":
+        backend = AUTO_BACKEND[device.kind]
+    elif BACKEND_KIND.get(backend, device.kind) != device.kind:
+        raise ValueError(f"attention.backend {backend!r} runs on {BACKEND_KIND[backend]} devices, not --device "
+                         f"{device.name}; use 'auto' or a backend of that device")
+    return MemorySettings(
+        tp=layout.tp, pp=layout.pp, dp=layout.dp, dtype=cfg.model.dtype, copies=len(trimodel.active),
+        distributed_optimizer=cfg.parallel.distributed_optimizer, attention_backend=backend,
+        recompute=str(cfg.model.megatron.get("recompute_granularity") or "none"), micro_batch=micro_batch_shape(cfg),
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, entropy=cfg.algorithm.entropy_coef > 0)
+
+
+def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | DeviceSpec) -> Plan:
+    """The plan of `cfg` on `nodes` × `devices_per_node` devices of kind `device`."""
+    from megatron_rl.trainer.from_config import loss_settings
+
+    spec_dev = device if isinstance(device, DeviceSpec) else device_spec(device)
+    hf = read_hf_config(cfg.model.hf_path)
+    spec = decoder_spec_from_hf(hf.get("text_config", hf))
+    dims = ModelDims.from_spec(spec)
+    layout = plan_layout(cfg, nodes=nodes, devices_per_node=devices_per_node)
+    trimodel = plan_trimodel(loss_settings(cfg), optimizer_steps_per_batch=cfg.trainer.mini_batches,
+                             offload_old=cfg.trainer.offload_old, offload_ref=cfg.trainer.offload_reference)
+    settings = memory_settings(cfg, layout, spec_dev, trimodel)
+    stages = tuple(estimate_memory(dims, settings))
+    plan = Plan(layout=layout, device=spec_dev, dims=dims, model_type=spec.model_type, settings=settings,
+                trimodel=trimodel, stages=stages, advice=())
+    if plan.fits:
+        return plan
+    return Plan(**{**plan.__dict__, "advice": tuple(_advice(cfg, dims, settings, spec_dev, layout.world_size))})
+
+
+def _peak(dims: ModelDims, settings: MemorySettings) -> int:
+    return max(s.total for s in estimate_memory(dims, settings))
+
+
+def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, device: DeviceSpec, world: int) -> list[str]:
+    """One line per knob that, changed alone, makes the largest stage fit (or helps most)."""
+    usable, out = device.usable_bytes, []
+    sizes = {"num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "intermediate_size": dims.ffn}
+
+    def first_fit(key: str, values, change, note: str = "") -> None:
+        for v in values:
+            if (peak := _peak(dims, change(v))) <= usable:
+                out.append(f"{key}={v} fits ({peak / 2**30:.1f} GiB){note}")
+                return
+
+    tps = [t for t in range(s.tp + 1, dims.heads + 1)
+           if world % (t * s.pp) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None]
+    first_fit("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp)))
+    pps = [p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p) == 0]
+    first_fit("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p)))
+    if not s.distributed_optimizer and s.dp > 1:
+        first_fit("parallel.distributed_optimizer", [True], lambda v: with_changes(s, distributed_optimizer=v))
+    floor = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    budgets = sorted({max(floor, int(s.micro_batch.tokens * 0.75**i)) for i in range(1, 12)}, reverse=True)
+    first_fit("pipeline.micro_batch_tokens", [b for b in budgets if b < s.micro_batch.tokens],
+              lambda b: with_changes(s, micro_batch=micro_batch_shape(cfg, b)))
+    if s.recompute != "full":
+        first_fit("model.megatron.recompute_granularity", ["full"], lambda r: with_changes(s, recompute=r),
+                  " with model.megatron.recompute_method=uniform, model.megatron.recompute_num_layers=1")
+    if not out:
+        out.append("no single knob suffices: raise parallel.tp / parallel.pp (more devices per model), enable "
+                   "parallel.distributed_optimizer, lower pipeline.micro_batch_tokens, or use a larger --device")
+    return out

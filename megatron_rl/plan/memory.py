@@ -1,0 +1,257 @@
+"""Memory per training device of the tri-model, from the HF architecture and the config.
+
+Contract: `estimate_memory(dims, settings)` returns, for every pipeline stage, the bytes one
+training rank of that stage holds at the peak of a micro-step (`StageMemory`); the plan
+reports the largest. Nothing here allocates a tensor: it is arithmetic over `ModelDims`
+(read from ``config.json`` via `models/hf_config.decoder_spec_from_hf`) and `MemorySettings`
+(derived from the config by `plan/build.py`). The terms, for one rank (TP size t, stage s):
+
+- weights: the stage's parameters / t (norms are replicated) × dtype bytes, once per copy on
+  the device during a micro-step: the policy, and old / ref when the tri-model plan
+  (`trimodel/plan.py`) keeps them (an offloaded copy is on the device for each micro-step);
+- grads: megatron DDP's gradient buffer, fp32 (``grad_reduce_in_fp32``): 4 B / parameter;
+- optimizer: Adam's two fp32 moments (8 B / parameter) plus, for a bf16 model, the fp32
+  master copy (4 B); the distributed optimizer divides this by DP;
+- activations: what autograd saves for the backward of ONE micro-batch of T tokens
+  (`PolicyTrainer.train_micro_batch` runs one micro-batch per schedule, so one is in flight
+  per stage; the frozen copies run under no_grad and save nothing) — `layer_activation_bytes`
+  per layer, recompute aware (``model.megatron.recompute_granularity``);
+- log-prob buffers (last stage): the fp32 softmax of the N response rows that megatron's
+  vocab-parallel cross entropy saves ([N, V/t] fp32), or of one chunk of rows when
+  ``logprob_chunk_tokens`` is set;
+- transient: the largest short-lived working set on top of the above: the [T, V/t] logits
+  plus two fp32 [N, V/t] copies while log-probs are reduced, or one layer's activations
+  (its gradients during the backward; a recomputed layer).
+
+Per-layer saved bytes were read off megatron-core 0.16's local spec with a saved-tensors hook
+(`tests/test_memory_plan.py` checks the sum against such a measurement within ±20 %). b =
+bytes of model.dtype, h hidden, f FFN, nq / nkv heads, d head_dim:
+
+    RMSNorm (×2)      T·h·(8 + b) + 4·T      fp32 upcast of x and x·rstd, rstd, bf16/fp32 output
+    q/k RMSNorm       8·T·(nq+nkv)·d/t (+4·T·(nq+nkv)·d/t in fp32: k's input is a view of QKV)
+    RoPE              4·T·d·b                cos / sin for q and k
+    core attention    backend dependent (`attention_core_bytes`)
+    out projection    T·nq·d/t·b             its input
+    SwiGLU MLP        5·T·f/t·b              fc1 output (2f), silu output and gate (2f), fc2 input (f)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size
+
+FLASH_BACKENDS = ("npu", "triton", "flex")  # save q, k, v, out and the log-sum-exp only
+RECOMPUTE = ("none", "selective", "full")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """The architecture sizes the memory model needs (from a HF config.json)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int  # real vocabulary (padded by megatron: `padded_vocab`)
+    qkv_bias: bool
+    qk_norm: bool
+    tied_embeddings: bool
+
+    @classmethod
+    def from_spec(cls, spec: DecoderSpec) -> ModelDims:
+        """Dims of a `DecoderSpec` (``models.hf_config.decoder_spec_from_hf``)."""
+        return cls(layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
+                   heads=spec.num_attention_heads, kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                   vocab=spec.vocab_size, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
+                   tied_embeddings=spec.tie_word_embeddings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchShape:
+    """One packed micro-batch: `parts` prompts of `prompt_len`, each with `responses` of
+    `response_len` (shared-prompt layout), inside a budget of `tokens` packed tokens."""
+
+    tokens: int  # T: packed tokens the activations are sized for
+    prompt_len: int
+    response_len: int
+    responses: int  # responses sharing one prompt copy (K of a group part)
+    parts: int  # group parts in the micro-batch
+
+    @property
+    def response_tokens(self) -> int:
+        """N: rows of log-probs (every token of every response)."""
+        return self.parts * self.responses * self.response_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """The config's memory-relevant choices, for one layout."""
+
+    tp: int
+    pp: int
+    dp: int
+    dtype: str  # model.dtype
+    copies: int  # tri-model copies on the device during a micro-step (policy + active old / ref)
+    distributed_optimizer: bool
+    attention_backend: str  # concrete backend: npu | triton | flex | split | reference
+    recompute: str = "none"  # model.megatron.recompute_granularity (none | selective | full)
+    micro_batch: MicroBatchShape
+    make_vocab_size_divisible_by: int = 128
+    entropy: bool = False  # entropy bonus: its fp32 [N, V/t] terms are saved too
+    logprob_chunk_tokens: int | None = None  # rows reduced at a time; None = the whole micro-batch
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Bytes one training rank of pipeline stage `stage` holds at a micro-step's peak."""
+
+    stage: int
+    params: int  # parameters of one copy on this rank
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logprobs: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logprobs + self.transient
+
+
+def stage_layers(dims: ModelDims, pp: int) -> int:
+    """Layers per pipeline stage (megatron splits evenly; the validator checks pp divides)."""
+    return dims.layers // pp
+
+
+def layer_params(dims: ModelDims, tp: int) -> int:
+    """Parameters of one decoder layer on one TP rank (local spec: no linear biases but QKV's)."""
+    h, d = dims.hidden, dims.head_dim
+    qkv_out = (dims.heads + 2 * dims.kv_heads) * d
+    sharded = h * qkv_out + dims.heads * d * h + 3 * h * dims.ffn + (qkv_out if dims.qkv_bias else 0)
+    replicated = 2 * h + (2 * d if dims.qk_norm else 0)
+    return sharded // tp + replicated
+
+
+def stage_params(dims: ModelDims, settings: MemorySettings, stage: int) -> int:
+    """Parameters of one copy on a rank of `stage`: its layers, the embedding on the first
+    stage, the final norm and output layer on the last (tied embeddings share it at pp = 1)."""
+    tp, pp = settings.tp, settings.pp
+    vocab_shard = padded_vocab_size(dims.vocab, settings.make_vocab_size_divisible_by, tp) * dims.hidden // tp
+    n = stage_layers(dims, pp) * layer_params(dims, tp)
+    if stage == 0:
+        n += vocab_shard
+    if stage == pp - 1:
+        n += dims.hidden + (0 if dims.tied_embeddings and pp == 1 else vocab_shard)
+    return n
+
+
+def attention_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
+    """Saved bytes of one layer's shared-prompt attention core on one TP rank.
+
+    flash-style backends (npu / triton / flex): q, k, v, out (model dtype) and an fp32 LSE
+    row per head. ``split`` (CPU): per group part, one causal call over [prompt; longest
+    response] plus one batched call for the other K - 1 responses, whose keys are the
+    prompt's K/V gathered per response (and a dense [Lr, Lp + Lr] mask). ``reference``: the
+    dense path, plus [heads, T, T] scores and probabilities.
+    """
+    b, t, d, mb = s.dtype_bytes, s.tp, dims.head_dim, s.micro_batch
+    nq, nkv = dims.heads // t, dims.kv_heads // t
+
+    def flash(tokens: int) -> int:
+        return tokens * (2 * nq + 2 * nkv) * d * b + 4 * tokens * nq
+
+    if s.attention_backend in FLASH_BACKENDS:
+        return flash(mb.tokens)
+    if s.attention_backend == "reference":
+        return flash(mb.tokens) + 2 * nq * mb.tokens**2 * b
+    lp, lr, k = mb.prompt_len, mb.response_len, mb.responses
+    square = flash(lp + lr)
+    others = (k - 1) * (lr * 2 * nq * d * b + (lp + lr) * 2 * nkv * d * b + lr * (lp + lr) * b + 4 * lr * nq)
+    rest = max(0, mb.tokens - mb.parts * (lp + k * lr))  # budget not covered by the modelled parts
+    return mb.parts * (square + others) + flash(rest)
+
+
+def layer_activation_bytes(dims: ModelDims, s: MemorySettings) -> int:
+    """Bytes autograd saves for one decoder layer of one micro-batch, without recompute."""
+    b, t, T = s.dtype_bytes, s.tp, s.micro_batch.tokens
+    h, d, nq, nkv = dims.hidden, dims.head_dim, dims.heads, dims.kv_heads
+    norms = 2 * (T * h * (8 + b) + 4 * T)
+    qk = 0
+    if dims.qk_norm:
+        qk = 8 * T * (nq + nkv) * d // t + 4 * T * (nq + nkv) // t + (4 * T * (nq + nkv) * d // t if b == 4 else 0)
+    rope = 4 * T * d * b
+    out_proj = T * nq * d // t * b
+    mlp = 5 * T * dims.ffn // t * b
+    return norms + qk + rope + attention_core_bytes(dims, s) + out_proj + mlp
+
+
+def _recomputed(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
+    """(saved bytes per layer, extra transient bytes) under ``s.recompute``."""
+    full = layer_activation_bytes(dims, s)
+    T, b = s.micro_batch.tokens, s.dtype_bytes
+    if s.recompute == "full":  # each layer keeps its input; one layer is rebuilt during backward
+        return T * dims.hidden * b, full
+    if s.recompute == "selective":  # core attention rebuilt from q, k, v: its output and LSE go
+        nq = dims.heads // s.tp
+        core = attention_core_bytes(dims, s)
+        kept_inputs = T * (nq + 2 * dims.kv_heads // s.tp) * dims.head_dim * b
+        return full - core + kept_inputs, core
+    return full, 0
+
+
+def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
+    """(saved, transient) bytes of the last stage's log-prob reduction of the policy."""
+    vocab = padded_vocab_size(dims.vocab, s.make_vocab_size_divisible_by, s.tp) // s.tp
+    n = s.micro_batch.response_tokens
+    rows = min(n, s.logprob_chunk_tokens or n)
+    saved = n * vocab * 4 * (3 if s.entropy else 1) + n * 17 + vocab  # softmax (+ entropy terms), targets, masks
+    transient = s.micro_batch.tokens * vocab * s.dtype_bytes + 2 * rows * vocab * 4
+    return saved, transient
+
+
+def optimizer_bytes_per_param(s: MemorySettings) -> float:
+    """Adam state per parameter on one rank: 2 fp32 moments (+ fp32 master for bf16), / DP if sharded."""
+    per = 8 + (4 if s.dtype_bytes < 4 else 0)
+    return per / s.dp if s.distributed_optimizer else per
+
+
+def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
+    """The memory of one rank of pipeline stage `stage` (see the module docstring)."""
+    params = stage_params(dims, s, stage)
+    T, h, b = s.micro_batch.tokens, dims.hidden, s.dtype_bytes
+    per_layer, layer_transient = _recomputed(dims, s)
+    acts = stage_layers(dims, s.pp) * per_layer
+    if stage == 0:
+        acts += 8 * T  # token ids for the embedding's backward
+    last = stage == s.pp - 1
+    if last:
+        acts += T * h * (8 + b) + 4 * T  # final norm
+    else:
+        acts += s.copies * T * h * b  # the [T, copies·h] activation sent on, kept for the backward
+    lp_saved, lp_transient = logprob_bytes(dims, s) if last else (0, 0)
+    transient = max(lp_transient, layer_activation_bytes(dims, s), layer_transient)
+    return StageMemory(stage=stage, params=params, weights=params * b * s.copies, grads=params * 4,
+                       optimizer=int(params * optimizer_bytes_per_param(s)), activations=acts,
+                       logprobs=lp_saved, transient=transient)
+
+
+def estimate_memory(dims: ModelDims, settings: MemorySettings) -> list[StageMemory]:
+    """`StageMemory` of every pipeline stage, first to last."""
+    if settings.recompute not in RECOMPUTE:
+        raise ValueError(f"model.megatron.recompute_granularity {settings.recompute!r} is not one of {RECOMPUTE}")
+    return [stage_memory(dims, settings, s) for s in range(settings.pp)]
+
+
+def with_changes(settings: MemorySettings, **changes: Any) -> MemorySettings:
+    """A copy of `settings` with some fields replaced (the plan's what-if search)."""
+    return replace(settings, **changes)

@@ -1,0 +1,90 @@
+"""The text `python -m megatron_rl plan` prints: layout node by node, then memory per device."""
+
+from __future__ import annotations
+
+from megatron_rl.plan.build import Plan
+
+GIB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def _ids(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def layout_lines(plan: Plan) -> list[str]:
+    """Per node: each training rank with its TP / PP / DP coordinates, then the engines."""
+    lay = plan.layout
+    lines = [f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
+             f"{lay.ranks_per_node} per node (NPROC_PER_NODE), {len(lay.engine_devices)} engine(s) per node"]
+    for node in range(lay.nodes):
+        ranks = [r for r in lay.ranks if r.node == node]
+        lines.append(f"  node {node}: training devices {_ids([r.local_rank for r in ranks])}")
+        lines += [f"    device {r.local_rank}: rank {r.rank:>4}  tp {r.tp}  pp {r.pp}  dp {r.dp}" for r in ranks]
+        for e, text in enumerate(lay.engine_devices):
+            lines.append(f"    engine {node * len(lay.engine_devices) + e}: {text}")
+    return lines
+
+
+def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
+    """The largest stage's memory, term by term, against the device; the verdict last."""
+    s, w, d = plan.settings, plan.worst, plan.device
+    mb = s.micro_batch
+    copies = " + ".join(plan.trimodel.active)
+    rows = [
+        ("weights", w.weights, f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank, {s.dtype}"),
+        ("grads", w.grads, "fp32 DDP gradient buffer (policy)"),
+        ("optimizer", w.optimizer, "Adam moments" + (" + fp32 master" if s.dtype_bytes < 4 else "")
+         + (f", sharded over dp {s.dp}" if s.distributed_optimizer else ", not sharded")),
+        ("activations", w.activations, f"1 micro-batch of {mb.tokens} tokens, {plan.dims.layers // s.pp} layers, "
+         f"attention {s.attention_backend}, recompute {s.recompute}"),
+        ("log-probs", w.logprobs, f"fp32 softmax of {mb.response_tokens} response rows × vocab/tp"),
+        ("transient", w.transient, "logits + fp32 copies during log-probs, or one layer's backward"),
+    ]
+    lines = ["tri-model: " + "; ".join(plan.trimodel.reasons),
+             f"memory per training device (stage {w.stage} of pp {s.pp}, the largest):"]
+    lines += [f"  {name:<12}{_gib(n)}   {why}" for name, n, why in rows]
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  {'total':<12}{_gib(w.total)}   of {_gib(d.usable_bytes).strip()} usable "
+                 f"({d.usable_fraction:.0%} of {d.memory_bytes / GIB:.1f} GiB {d.name}): {verdict}")
+    if s.pp > 1:
+        lines.append("  per stage: " + ", ".join(f"{st.stage}: {st.total / GIB:.2f} GiB" for st in plan.stages))
+    lines += _compute_lines(plan, peak_tflops or d.peak_tflops)
+    return lines
+
+
+def _compute_lines(plan: Plan, tflops: float | None) -> list[str]:
+    """Matmul FLOPs of one micro-batch (2·params per token per forward; backward 2× forward)."""
+    if tflops is None:
+        return ["  compute: pass --peak-tflops for a lower bound on micro-step time"]
+    params = sum(st.params for st in plan.stages) * plan.settings.tp  # one full copy
+    tokens = plan.settings.micro_batch.tokens
+    flops = 2 * params * tokens * (3 + plan.settings.copies - 1)
+    seconds = flops / (tflops * 1e12 * plan.settings.tp * plan.settings.pp)
+    return [f"  compute: {flops / 1e12:.1f} TFLOP per micro-batch (policy fwd+bwd, frozen fwd) -> >= "
+            f"{seconds * 1e3:.0f} ms per micro-batch on tp × pp devices at {tflops:g} TFLOPS each"]
+
+
+def render(plan: Plan, *, source: str, peak_tflops: float | None = None) -> str:
+    """The whole report."""
+    dm, lay = plan.dims, plan.layout
+    head = [f"plan: {source} on {lay.nodes} node(s) × {lay.devices_per_node} {plan.device.name}",
+            f"model: {plan.model_type}, {dm.layers} layers, hidden {dm.hidden}, ffn {dm.ffn}, heads {dm.heads} "
+            f"({dm.kv_heads} kv, head_dim {dm.head_dim}), vocab {dm.vocab}"
+            + (", qk-norm" if dm.qk_norm else "") + (", tied embeddings" if dm.tied_embeddings else "")]
+    text = head + layout_lines(plan) + memory_lines(plan, peak_tflops)
+    if not plan.fits:
+        text.append("refused: the largest stage does not fit; change one of:")
+        text += [f"  {line}" for line in plan.advice]
+    return "\n".join(text)
+
