@@ -14,6 +14,7 @@ when the loop logs it, else all generation) and capped at the producer's busy ti
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -64,7 +65,7 @@ def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
         return recorders[-1]
 
     history = train(cfg, platform=opts.platform, engine_factory=factory)
-    if not history:
+    if not history or os.environ.get("RANK", "0") != "0":  # global rank 0 reports
         return None
     spec = decoder_spec_from_hf(read_hf_config(cfg.model.hf_path))
     loss = from_config.loss_settings(cfg)
@@ -77,10 +78,11 @@ def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
         measured.append(StepMeasure(step_s=m["time/step_s"], phases=phases_from_metrics(m), groups=groups,
                                     flops=training_flops(spec, groups, frozen_forwards=frozen)))
     device_type = detect_platform(opts.platform).device_type
-    world_size = cfg.parallel.tp * cfg.parallel.pp  # dp = 1 (build_run refuses more)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's: every training rank
     engines = len(from_config.engine_settings(cfg).device_assignments()) * cfg.rollout.tensor_parallel_size
     world = {"platform": device_type, "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
-             "dp": 1, "engines": engines, "engine": cfg.rollout.engine, "pipeline": cfg.pipeline.mode}
+             "dp": world_size // (cfg.parallel.tp * cfg.parallel.pp), "engines": engines, "engine": cfg.rollout.engine,
+             "pipeline": cfg.pipeline.mode}
     rest = history[opts.warmup:]
     busy = sum(m.get("time/generation_s", 0.0) for m in rest) / len(rest)
     exposed = sum(min(m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)) for m in rest) / len(rest)

@@ -111,6 +111,7 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     if not replica.channel.is_leader:
         follow(replica)
         return None
+    # Every DP replica trains the same synthetic batch; global rank 0 reports for its replica.
     leader, groups = LeaderReplica(replica), SyntheticGroups.from_config(cfg, opts, spec.vocab_size)
     frozen = len(trainer.trimodel.plan.active) - 1
     measured = []
@@ -123,9 +124,12 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
         _remove(snapshots)
     world = {"platform": plat.device_type, "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "dp": layout.dp, "engines": 0}
+    if dist.get_rank() != 0:
+        return None
     peak = resolve_peak(opts, plat.device_type, DTYPES[cfg.model.dtype])
-    return aggregate(measured[opts.warmup:], scope="train", warmup=opts.warmup, devices=layout.world_size,
-                     train_devices=layout.world_size, peak=peak,
+    replica_devices = layout.tp * layout.pp
+    return aggregate(measured[opts.warmup:], scope="train", warmup=opts.warmup, devices=replica_devices,
+                     train_devices=replica_devices, peak=peak,
                      memory=peak_memory(plat.device_type), world=world, config=config_to_dict(cfg),
                      extra={"frozen_forwards": float(frozen)})
 
