@@ -1,6 +1,7 @@
-"""Broadcast weight sync at PP = 2 (each stage sends its own layers) equals snapshot sync: the
-engine's greedy tokens and log-probs are identical after either, both differ from the
-engine's starting weights, and every sync reports its bytes and seconds."""
+"""Broadcast and shared-memory weight sync at PP = 2 (each stage sends its own layers) equal
+snapshot sync: the engine's greedy tokens and log-probs are identical after either, each sync
+changes them, a worker restarted after a shared-memory sync gets the weights, and every sync
+reports its bytes and seconds."""
 
 from __future__ import annotations
 
@@ -23,10 +24,21 @@ def _greedy(engine, tag: str) -> list[tuple[tuple[int, ...], tuple[float, ...], 
             for i in range(len(PROMPTS))]
 
 
-def pp2_sync(hf_dir: str, snapshot_root: str):
-    """Both ranks: PP = 2 model, perturbed; rank 0 owns a 2-worker hf engine. Broadcast sync
-    (v1), snapshot sync of the same weights (v2), another broadcast (v3: the groups are reused)."""
+def _perturb(model, seed: int) -> None:
     import torch
+
+    gen = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=gen))
+
+
+def pp2_sync(hf_dir: str, snapshot_root: str):
+    """Both ranks: PP = 2 model; rank 0 owns a 2-worker hf engine. Weights W1: broadcast (v1),
+    snapshot (v2). Weights W2: shared memory (v3), a worker killed and restarted (it loads the
+    shared files again), snapshot (v4), broadcast again (v5: the groups are reused)."""
+    import os
+    import signal
 
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
@@ -35,23 +47,26 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
 
     initialize_parallel(tp=1, pp=2)
     model, spec = load_model_from_hf(hf_dir)
-    gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.03 * torch.randn(p.shape, generator=gen))
     channel = ReplicaChannel()
     engine = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=hf_dir, num_engines=2,
                                          max_batch_size=3, weight_sync="broadcast", sync_bucket_mb=1,
                                          request_timeout_s=120)) if channel.is_leader else None
     trainer = SimpleNamespace(begin_batch=lambda: None)
     common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel)
-    broadcast = Replica(trainer, model, spec, weight_sync="broadcast", **common)
-    snapshot = Replica(trainer, model, spec, weight_sync="snapshot", **common)
+    replicas = {mode: Replica(trainer, model, spec, weight_sync=mode, **common)
+                for mode in ("broadcast", "snapshot", "shared_memory")}
+    plan = ((1, "broadcast"), (2, "snapshot"), (3, "shared_memory"), (4, "snapshot"), (5, "broadcast"))
     try:
         out = {"start": _greedy(engine, "s") if engine else None}
-        for version, replica in ((1, broadcast), (2, snapshot), (3, broadcast)):
-            replica.sync_weights(version)
-            out[version] = (_greedy(engine, f"v{version}") if engine else None, replica.pop_results()[1])
+        for version, mode in plan:
+            if version in (1, 3):
+                _perturb(model, seed=version)
+            replicas[mode].sync_weights(version)
+            out[version] = (_greedy(engine, f"v{version}") if engine else None, replicas[mode].pop_results()[1])
+            if version == 3 and engine is not None:
+                os.kill(engine.status()[0].pid, signal.SIGKILL)
+                out["restarted"] = _greedy(engine, "r")
+                assert engine.status()[0].restarts == 1
         return out
     finally:
         if engine is not None:
@@ -66,21 +81,31 @@ def synced(tmp_path_factory):
     return leader, follower, hf_dir
 
 
-def test_broadcast_at_pp2_equals_snapshot(synced):
+def _same(a, b) -> bool:
+    """Same greedy tokens and bit-identical log-probs (versions aside)."""
+    return [r[:2] for r in a] == [r[:2] for r in b]
+
+
+def test_broadcast_and_shared_memory_at_pp2_equal_snapshot(synced):
     leader, _, _ = synced
-    (b1, _), (s2, _), (b3, _) = leader[1], leader[2], leader[3]
-    for (tokens, logprobs, _), (s_tokens, s_logprobs, _) in zip(b1, s2, strict=True):
-        assert tokens == s_tokens and logprobs == s_logprobs  # bit-identical weights
-    assert [r[:2] for r in b3] == [r[:2] for r in s2]
-    assert [r[2] for r in b1] == [1] * 3 and [r[2] for r in b3] == [3] * 3
-    assert any(a[1] != b[1] for a, b in zip(leader["start"], b1, strict=True)), "the sync changed nothing"
+    results = {v: leader[v][0] for v in range(1, 6)}
+    assert _same(results[1], results[2])  # broadcast == snapshot, weights W1
+    assert _same(results[3], results[4]) and _same(results[5], results[4])  # shared memory, broadcast: W2
+    assert not _same(leader["start"], results[1]) and not _same(results[2], results[3]), "a sync changed nothing"
+    assert all([r[2] for r in results[v]] == [v] * 3 for v in results)
+
+
+def test_worker_restarted_after_shared_memory_sync_gets_the_weights(synced):
+    leader, _, _ = synced
+    assert _same(leader["restarted"], leader[3][0])
+    assert [r[2] for r in leader["restarted"]] == [3] * 3
 
 
 def test_every_sync_reports_bytes_and_seconds(synced):
     leader, follower, hf_dir = synced
     model_bytes = sum(t.nbytes for t in load_snapshot_tensors(hf_dir).values())
     assert model_bytes <= leader[2][1]["weight_sync_bytes"] < model_bytes + 100_000  # files: + headers
-    for version in (1, 3):
+    for version in (1, 3, 5):
         seconds = leader[version][1]
         assert seconds["weight_sync_bytes"] == model_bytes  # both stages' tensors, counted once
         assert 0 < seconds["weight_sync_transfer"] <= seconds["weight_sync"]

@@ -24,7 +24,7 @@ ProximalMode = Literal["recompute", "loglinear"]
 CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 AlarmAction = Literal["warn", "stop"]
 EngineName = Literal["vllm", "hf"]
-WeightSync = Literal["snapshot", "broadcast"]
+WeightSync = Literal["snapshot", "broadcast", "shared_memory"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +160,9 @@ class RolloutConfig:
     # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
     dtype: DType | None = None
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
-    weight_sync: WeightSync = "snapshot"  # HF snapshot reload, or a gloo/NCCL/HCCL broadcast
+    # HF snapshot reload; a gloo/NCCL/HCCL broadcast in flat buckets; or (engines on the trainer's
+    # machine) shared memory: each PP stage writes a /dev/shm file the engines copy from.
+    weight_sync: WeightSync = "snapshot"
     sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
     sync_bucket_mb: int = 256  # broadcast sync: tensors travel packed in flat buckets of this many MiB
     # A worker with work in flight that sends nothing for this long is hung: killed, restarted,

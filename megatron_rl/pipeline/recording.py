@@ -148,5 +148,8 @@ class NullEngine:
     def update_weights_from_tensors(self, named_tensors, version: int, peers=None) -> None:
         self.weight_version = version
 
+    def update_weights_from_shared(self, layouts, version: int) -> None:
+        self.weight_version = version
+
     def shutdown(self) -> None:
         pass

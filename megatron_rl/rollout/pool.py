@@ -102,6 +102,14 @@ class WorkerPool:
             self._prepare("update_weights")
             self._sync.push_tensors(named_tensors, version, peers)
 
+    def update_weights_from_shared(self, layouts, version: int) -> None:
+        """Load the tensors the trainer's senders wrote to shared memory (``shared_weights``:
+        one ``SharedLayout`` per PP stage, in stage order) into every worker as ``version``."""
+        self._check_version(version)
+        with self._lock:
+            self._prepare("update_weights")
+            self._sync.load_shared(tuple(layouts), version)
+
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
         self._finalizer()

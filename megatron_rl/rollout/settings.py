@@ -87,8 +87,9 @@ class EngineSettings(RolloutConfig):
         for name in ("num_engines", "tensor_parallel_size", "max_batch_size", "sync_bucket_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
-        if self.weight_sync not in ("snapshot", "broadcast"):
-            raise ValueError(f"rollout.weight_sync={self.weight_sync!r} must be 'snapshot' or 'broadcast'")
+        if self.weight_sync not in ("snapshot", "broadcast", "shared_memory"):
+            raise ValueError(f"rollout.weight_sync={self.weight_sync!r} must be 'snapshot', 'broadcast' "
+                             "or 'shared_memory'")
         for name in ("start_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"rollout.{name}={getattr(self, name)} must be > 0")

@@ -1,8 +1,11 @@
-"""Weight sync of a worker pool: HF snapshot reloads, and the broadcast group.
+"""Weight sync of a worker pool: HF snapshot reloads, shared-memory loads, the broadcast group.
 
 Contract:
 - ``load_snapshot(dir, version)`` makes every worker load ``dir``; a process started later
   (restart) loads it at start, so the directory must stay readable until the next update.
+- ``load_shared(layouts, version)`` makes every worker copy the tensors of the senders'
+  shared-memory files (``shared_weights``); a restarted worker loads them again (the files
+  hold the version until the next sync, at any PP).
 - ``push_tensors(named_tensors, version, peers)`` broadcasts HF-named tensors from this
   process to every worker over a gloo / NCCL / HCCL group (``broadcast``), in flat buckets of
   ``rollout.sync_bucket_mb``, kept while its members live. At PP > 1 ``peers`` are the other
@@ -30,7 +33,7 @@ from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listene
 from megatron_rl.rollout.buckets import MB, TensorSpec
 from megatron_rl.rollout.dispatch import drain
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerHandle
-from megatron_rl.rollout.worker import Failed, JoinSyncGroup, Loaded, LoadWeights, ReceiveWeights
+from megatron_rl.rollout.worker import Failed, JoinSyncGroup, Loaded, LoadShared, LoadWeights, ReceiveWeights
 
 
 class StagePeers(Protocol):
@@ -66,6 +69,7 @@ class WeightSync:
         self._group_backend = group_backend  # gloo / nccl / hccl
         self._address = address  # the interface the group's listeners bind to
         self._cached_tensors: list | None = None  # the last broadcast weights (restarts get them)
+        self._shared: tuple | None = None  # the last shared-memory layouts (restarts load them)
         self._group: tuple | None = None  # (worker pids, process group) of the broadcast sync
         self._pushing = False
         self.broken: str | None = None  # set when workers may run different weights
@@ -73,16 +77,25 @@ class WeightSync:
 
     def load_snapshot(self, snapshot_dir: str, version: int) -> None:
         self._sup.snapshot, self._sup.version = snapshot_dir, version  # restarts from here load it
-        self._cached_tensors = None
+        self._cached_tensors, self._shared = None, None
         self._run_command({w: LoadWeights(snapshot_dir, version) for w in self._sup.workers}, f"load {snapshot_dir}")
+
+    def load_shared(self, layouts: tuple, version: int) -> None:
+        self._sup.snapshot, self._sup.version = None, version
+        self._cached_tensors, self._shared = None, tuple(layouts)
+        self._run_command({w: LoadShared(version, self._shared) for w in self._sup.workers}, "load shared weights")
 
     def push_tensors(self, named_tensors: Iterable, version: int, peers: StagePeers | None = None) -> None:
         self._sup.snapshot, self._sup.version = None, version
+        self._shared = None
         self._cached_tensors = [(name, t.detach()) for name, t in named_tensors]
         self._peers = peers if peers is not None and peers.sources else None
         self._push(self._sup.workers)
 
     def _after_restart(self, w: WorkerHandle) -> None:
+        if self._shared is not None:  # the files hold the current version until the next sync
+            self._run_command({w: LoadShared(self._sup.version, self._shared)}, "load shared weights")
+            return
         if self._cached_tensors is None or self._pushing:
             return
         self._group = None  # the new process started from model_path; the main group lost a member

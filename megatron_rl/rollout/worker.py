@@ -4,9 +4,11 @@ Each worker owns one duplex pipe to the parent and has at most one command outst
 
     parent -> worker: Generate(requests) | LoadWeights(snapshot_dir, version) | Stop()
                       | JoinSyncGroup(addresses, rank) | ReceiveWeights(version, sources, bucket_bytes)
+                      | LoadShared(version, layouts)
     worker -> parent: Ready(version)                     once, after start-up
                       Result(result)* then Done()        for Generate (one Result per request)
-                      Loaded(version)                    for LoadWeights, ReceiveWeights, JoinSyncGroup
+                      Loaded(version)                    for LoadWeights, ReceiveWeights, JoinSyncGroup,
+                                                         LoadShared
                       Failed(request_ids, error)         instead of Done / Loaded / Ready
 
 A pipe per worker (not a shared queue) means a worker killed mid-write can corrupt nothing
@@ -106,6 +108,12 @@ class ReceiveWeights:
 
 
 @dataclass(frozen=True)
+class LoadShared:
+    version: int
+    layouts: tuple  # shared_weights.SharedLayout per sender (PP stage), in stage order
+
+
+@dataclass(frozen=True)
 class Ready:
     version: int
 
@@ -165,12 +173,18 @@ def worker_main(spec: WorkerSpec, conn, snapshot_dir: str | None, version: int) 
 
 
 def _sync_command(backend: WorkerBackend, command, group_box: list, version: int) -> int:
-    """Join the broadcast groups, or receive a weight version through them; returns the version."""
+    """Join the broadcast groups, receive a weight version through them, or load one from
+    shared memory; returns the version."""
     from megatron_rl.rollout.broadcast import make_group, receive_tensors
 
     if isinstance(command, JoinSyncGroup):
         group_box[:] = [make_group(address, command.rank) for address in command.addresses]
         return version
+    if isinstance(command, LoadShared):
+        from megatron_rl.rollout.shared_weights import read_shared
+
+        backend.load_tensors(item for layout in command.layouts for item in read_shared(layout))
+        return command.version
     if len(group_box) != len(command.sources):
         raise RuntimeError(f"ReceiveWeights from {len(command.sources)} senders, but {len(group_box)} groups joined")
     device = backend.device
@@ -198,7 +212,7 @@ def _serve(backend: WorkerBackend, conn, version: int) -> None:
                 continue
             version = command.version
             conn.send(Loaded(version))
-        elif isinstance(command, (JoinSyncGroup, ReceiveWeights)):
+        elif isinstance(command, (JoinSyncGroup, ReceiveWeights, LoadShared)):
             try:
                 version = _sync_command(backend, command, group_box, version)
             except Exception:

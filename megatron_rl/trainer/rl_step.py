@@ -83,18 +83,21 @@ class Replica:
         self.seconds["optimizer"] += time.perf_counter() - start
 
     def sync_weights(self, version: int) -> int:
-        """Hand the policy to the engines as ``version`` (``broadcast``: each PP stage's TP rank
-        0 sends its stage's HF tensors in flat buckets, ``trainer.stage_sync``; or a HF snapshot
-        every PP stage writes and the engines reload), then snapshot it as the next batch's old
-        policy. Adds to ``seconds``: ``weight_sync`` (all of it), ``weight_sync_transfer`` (the
-        hand-over alone) and ``weight_sync_bytes`` (bytes of the HF tensors handed over; GB/s =
-        bytes / 1e9 / transfer). Returns ``version``."""
-        from megatron_rl.trainer.stage_sync import StageSender, broadcast_weights
+        """Hand the policy to the engines as ``version`` (``broadcast`` / ``shared_memory``: each
+        PP stage's TP rank 0 sends its stage's HF tensors, in flat buckets or through a /dev/shm
+        file, ``trainer.stage_sync``; or a HF snapshot every PP stage writes and the engines
+        reload), then snapshot it as the next batch's old policy. Adds to ``seconds``:
+        ``weight_sync`` (all of it), ``weight_sync_transfer`` (the hand-over alone) and
+        ``weight_sync_bytes`` (bytes of the HF tensors handed over; GB/s = bytes / 1e9 /
+        transfer). Returns ``version``."""
+        from megatron_rl.trainer.stage_sync import StageSender, broadcast_weights, shared_memory_weights
 
         start = time.perf_counter()
         if self.weight_sync == "broadcast":
             self.__dict__.setdefault("stage_sender", StageSender())  # its sync groups outlive one call
             nbytes = broadcast_weights(self, version)
+        elif self.weight_sync == "shared_memory":
+            nbytes = shared_memory_weights(self, version)
         else:
             snapshot = self.snapshot_root / f"v{version}"
             save_hf_checkpoint(self.policy, self.spec, snapshot, source_dir=self.source_dir)

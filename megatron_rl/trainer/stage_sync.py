@@ -1,4 +1,9 @@
-"""Broadcast weight sync from every pipeline stage: the trainer side of ``rollout.weight_sync``.
+"""Weight sync from every pipeline stage: the trainer side of ``rollout.weight_sync`` =
+``broadcast`` (``broadcast_weights``) and ``shared_memory`` (``shared_memory_weights``).
+
+``shared_memory``: each stage's sender writes its stage into a ``/dev/shm`` file of its own
+under the run's snapshot directory (``rollout.shared_weights``); the leader gathers the
+layouts (stage order) and has the engines load them. No rank holds more than its stage.
 
 Each PP stage gathers its own TP shards into HF-named full tensors (``export_hf_tensors``,
 collective over the stage's TP group); the stage's TP rank 0 is its *sender*. The replica's
@@ -18,6 +23,7 @@ sender is done, an all-gather of their errors; ``("done", ())`` ends the sync.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,7 @@ import torch.distributed as dist
 from megatron_rl.models import export_hf_tensors
 from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listener, send_tensors
 from megatron_rl.rollout.buckets import TensorSpec
+from megatron_rl.rollout.shared_weights import SharedWeightsWriter
 
 
 class ChannelPeers:
@@ -119,6 +126,26 @@ def broadcast_weights(replica, version: int) -> int:
         finally:
             channel.send(("done", ()))
     return sum(s.nbytes for _, specs in stages for s in specs)
+
+
+def shared_memory_weights(replica, version: int) -> int:
+    """Write this stage's tensors to shared memory and have the engines load every stage's;
+    returns the bytes synced."""
+    from megatron.core import parallel_state as ps
+
+    tensors = list(export_hf_tensors(replica.policy, replica.spec))  # collective over this stage's TP
+    stage = ps.get_pipeline_model_parallel_rank()
+    layout = None
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:  # one file per stage
+        writer = replica.__dict__.setdefault("shared_writer", SharedWeightsWriter(
+            Path(replica.snapshot_root) / f"weights-stage{stage}.bin"))  # rewritten in place every sync
+        layout = writer.write(tensors)
+    del tensors
+    entries = _all_gather(replica.channel, (stage, layout)) if replica.channel.size > 1 else [(stage, layout)]
+    layouts = tuple(lay for _, lay in sorted((e for e in entries if e[1] is not None), key=lambda e: e[0]))
+    if replica.channel.is_leader and replica.engine is not None:
+        replica.engine.update_weights_from_shared(layouts, version)
+    return sum(lay.tensor_bytes for lay in layouts)
 
 
 def _all_gather(channel, item) -> list:

@@ -1,0 +1,110 @@
+"""Weight sync through shared memory (``rollout.weight_sync: shared_memory``), one machine.
+
+Each pipeline stage's sender copies its HF-named tensors into one flat file of its own in
+``/dev/shm`` (``SharedWeightsWriter``: mapped once, rewritten in place every sync, so after the
+first sync no page is allocated again); the engine workers map the same files
+(``read_shared``, mapping kept between syncs) and copy the tensors straight from them into
+their model: one memory copy on each side, no socket, no serialisation, no file parsing.
+``SharedLayout`` (path, specs, byte offsets) is all that travels through the worker pipes.
+
+Contract: the file of a version stays unchanged until the next sync (the pool's lock orders
+syncs and generation), so a worker restarted between syncs loads it again; at PP > 1 the
+layouts of every stage are loaded in stage order. Engines must run on the machine of every
+sender (for engines elsewhere use ``broadcast``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_rl.rollout.buckets import TensorSpec
+
+ALIGN = 64  # byte alignment of each tensor in the file (any dtype view is legal, cache-line starts)
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Where one sender's tensors lie: the file, and each tensor's spec and byte offset."""
+
+    path: str
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int  # the file's size
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+def plan_layout(path: str, specs: Sequence[TensorSpec]) -> SharedLayout:
+    """Offsets of ``specs`` packed one after another, each aligned to ``ALIGN`` bytes."""
+    offsets, end = [], 0
+    for spec in specs:
+        offsets.append(end)
+        end += -(-spec.nbytes // ALIGN) * ALIGN
+    return SharedLayout(path, tuple(specs), tuple(offsets), max(end, ALIGN))
+
+
+class _Mapping:
+    """A file mapped read-write as one uint8 tensor."""
+
+    def __init__(self, path: str, nbytes: int, *, create: bool):
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            elif os.fstat(fd).st_size < nbytes:
+                raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, the layout needs {nbytes}")
+            self._mm = mmap.mmap(fd, nbytes)
+            self.inode = os.fstat(fd).st_ino  # a file re-created at the same path is another file
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self.path, self.nbytes = path, nbytes
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def view(self, spec: TensorSpec, offset: int) -> torch.Tensor:
+        return self.tensor[offset:offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+
+
+class SharedWeightsWriter:
+    """Sender side: writes tensors into the file at ``path`` (created, or resized when the
+    tensor set changes), returning the layout the workers map."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        self._mapping: _Mapping | None = None
+
+    def write(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> SharedLayout:
+        layout = plan_layout(self.path, [TensorSpec.of(n, t) for n, t in named_tensors])
+        if self._mapping is None or self._mapping.nbytes != layout.nbytes or not os.path.exists(self.path):
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._mapping = _Mapping(self.path, layout.nbytes, create=True)
+        for (_, t), spec, offset in zip(named_tensors, layout.specs, layout.offsets, strict=True):
+            self._mapping.view(spec, offset).copy_(t)
+        return layout
+
+
+_READ_CACHE: dict[str, _Mapping] = {}  # worker side: path -> mapping, kept between syncs
+
+
+def read_shared(layout: SharedLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Worker side: ``(name, tensor)`` views of the file at ``layout.path`` (copy before the
+    next sync: the sender rewrites the file in place)."""
+    try:
+        inode = os.stat(layout.path).st_ino
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"rollout.weight_sync=shared_memory: {layout.path} is not on this machine; the engines must "
+            "run on the machine of every pipeline stage's sender (use 'broadcast' otherwise)") from err
+    mapping = _READ_CACHE.get(layout.path)
+    if mapping is None or mapping.nbytes != layout.nbytes or mapping.inode != inode:
+        mapping = _READ_CACHE[layout.path] = _Mapping(layout.path, layout.nbytes, create=False)
+    for spec, offset in zip(layout.specs, layout.offsets, strict=True):
+        yield spec.name, mapping.view(spec, offset)
