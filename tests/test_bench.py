@@ -156,6 +156,8 @@ def test_e2e_scope_returns_every_field(setup):
     assert rec["tokens"]["samples"] == PROMPTS * G
     # the engine's recorded responses == what the loop logged as trained
     assert rec["tokens"]["response"] == rec["extra"]["logged_response_tokens"]
+    if "logged_prompt_tokens" in rec["extra"]:  # once the loop logs train/prompt_tokens
+        assert rec["tokens"]["prompt"] == rec["extra"]["logged_prompt_tokens"]
     assert rec["phases"]["train"] > 0
     assert_breakdown_sums(rec, max_idle=0.5)
 

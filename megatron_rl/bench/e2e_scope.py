@@ -92,6 +92,12 @@ def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
              "groups_dropped": sum(m.get("rollout/groups_dropped", 0.0) for m in rest),
              "logged_response_tokens": sum(m.get("rollout/response_tokens", 0.0) for m in rest),
              "frozen_forwards": float(frozen)}
+    # Cross-checks against the loop's own throughput metrics, when it logs them.
+    for key in ("throughput/tokens_per_s_per_device", "throughput/completion_tokens_per_s"):
+        if all(key in m for m in rest):
+            extra["logged_" + key.split("/")[1]] = sum(m[key] for m in rest) / len(rest)
+    if all("train/prompt_tokens" in m for m in rest):
+        extra["logged_prompt_tokens"] = sum(m["train/prompt_tokens"] for m in rest)
     return aggregate(measured, scope="e2e", warmup=opts.warmup, devices=world_size + engines,
                      train_devices=world_size, peak=resolve_peak(opts, device_type, DTYPES[cfg.model.dtype]),
                      memory=_memory(rest, device_type), world=world, config=config_to_dict(cfg), extra=extra)
