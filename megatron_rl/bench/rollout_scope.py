@@ -9,11 +9,10 @@ weight sync. Runs on global rank 0 only (engines are never training ranks).
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import time
 from collections import defaultdict
-
-import torch.distributed as dist
 
 from megatron_rl.bench.flops import GroupShape
 from megatron_rl.bench.options import BenchOptions, resolve_peak
@@ -29,7 +28,7 @@ from megatron_rl.trainer.build import DTYPES
 
 def run_rollout_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     """Generate and score ``warmup + steps`` batches; the result (rank 0), None on other ranks."""
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: no process group here, rank 0 alone runs
         return None
     from transformers import AutoTokenizer
 
