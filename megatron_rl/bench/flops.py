@@ -28,9 +28,10 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI's argument pars
 
 # Dense (no sparsity) bf16 peak TFLOP/s per device.
 PEAK_TFLOPS: dict[str, float] = {
-    # Ascend 910B: Huawei publishes no per-SKU datasheet figure; 313 TFLOPS FP16/BF16 is the value
-    # commonly quoted for the 910B3 (Atlas 800T A2) used in MindSpeed-RL's reports. Pass
-    # --peak-tflops for another SKU (910B1/B2 are quoted higher, 910B4 lower).
+    # Ascend 910B: Huawei's only published figure is the original Ascend 910's 256 TFLOPS FP16
+    # (Hot Chips 31, 2019); for the 910B there is no public per-SKU datasheet. Third-party reports
+    # quote ~313 TFLOPS FP16/BF16 for the 910B3 (Atlas 800T A2), ~320-376 for 910B1/B2 and less for
+    # 910B4: the table takes the 910B3 figure; pass --peak-tflops for another SKU.
     "910b": 313.0,
     "h100": 989.0,  # NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense BF16 (1979 with sparsity)
     "h200": 989.0,  # NVIDIA H200 datasheet: same Hopper tensor cores as H100 SXM, 989 dense BF16
