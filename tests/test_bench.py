@@ -115,6 +115,35 @@ def test_train_scope_trained_tokens_equal_the_samples(setup, compared):
     assert split["tokens"]["packed"] > whole["tokens"]["packed"]
 
 
+def _linear_weights(model_dir: Path) -> tuple[int, dict]:
+    """Parameters of every nn.Linear of the HF model (the per-token matmuls), and its config."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)), model.config
+
+
+def test_train_scope_flops_count_the_prompt_once_per_group(setup, compared):
+    """FLOPs per step == 3 x (2 x linear params x packed tokens + 4 x layers x heads x head_dim x
+    allowed pairs), from the HF model's modules and the synthetic groups' lengths (heads x
+    head_dim = hidden size for this model)."""
+    from megatron_rl.bench.train_scope import SyntheticGroups
+
+    params, hf = _linear_weights(setup[0] / "model")
+    source = SyntheticGroups(vocab_size=hf.vocab_size, num_prompts=PROMPTS, group_size=G,
+                             prompt_len=LengthDist.parse("uniform:8,24"), response_len=LengthDist.parse("heavy:5,1.0"),
+                             max_prompt_tokens=24, max_new_tokens=MAX_NEW, seed=7)
+    flops = 0.0
+    for step in (1, 2):
+        for group in source.samples(step):
+            lp, lrs = len(group[0].prompt_ids), [len(s.response_ids) for s in group]
+            pairs = lp * (lp + 1) // 2 + sum(r * lp + r * (r + 1) // 2 for r in lrs)
+            flops += 3 * (2 * params * (lp + sum(lrs)) + 4 * hf.num_hidden_layers * hf.hidden_size * pairs)
+    whole, split = (v["bench"] for v in _compare_record(compared))
+    assert whole["flops_per_step"] == pytest.approx(flops / 2)
+    assert split["flops_per_step"] > whole["flops_per_step"]  # split groups repeat their prompt
+
+
 def test_compare_prints_ratios_against_the_first(compared):
     variants = _compare_record(compared)
     assert [v["overrides"] for v in variants] == [[f"pipeline.micro_batch_tokens={b}"] for b in BUDGETS]
