@@ -94,7 +94,7 @@ def trained_shapes(mb: MicroBatch) -> list[GroupShape]:
 
 
 def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
-    """Build the trainer, train ``warmup + steps`` synthetic steps; the result on the replica's leader."""
+    """Build the trainer, train ``warmup + steps`` synthetic steps; the result on global rank 0 (else None)."""
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.trainer.rl_step import LeaderReplica, Replica, ReplicaChannel, follow
 
