@@ -20,8 +20,10 @@ reports the largest. Nothing here allocates a tensor: it is arithmetic over `Mod
   vocab-parallel cross entropy saves ([N, V/t] fp32), or of one chunk of rows when
   ``logprob_chunk_tokens`` is set;
 - transient: the largest short-lived working set on top of the above: the [T, V/t] logits
-  plus two fp32 [N, V/t] copies while log-probs are reduced, or one layer's activations
-  (its gradients during the backward; a recomputed layer).
+  plus two fp32 [N, V/t] copies while log-probs are reduced, or a layer's backward working
+  set (gradients of the SwiGLU intermediates, 3·T·f/t·b, and of the fp32 norm upcasts,
+  8·T·h) on top of what recompute rebuilds (a whole layer for ``full``, the core attention
+  for ``selective``).
 
 Per-layer saved bytes were read off megatron-core 0.16's local spec with a saved-tensors hook
 (`tests/test_memory_plan.py` checks the sum against such a measurement within ±20 %). b =
@@ -209,6 +211,12 @@ def _recomputed(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     return full, 0
 
 
+def backward_working_bytes(dims: ModelDims, s: MemorySettings) -> int:
+    """Gradients alive while one layer runs backward: SwiGLU intermediates and fp32 norm upcasts."""
+    T = s.micro_batch.tokens
+    return T * (3 * dims.ffn // s.tp * s.dtype_bytes + 8 * dims.hidden)
+
+
 def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     """(saved, transient) bytes of the last stage's log-prob reduction of the policy."""
     vocab = padded_vocab_size(dims.vocab, s.make_vocab_size_divisible_by, s.tp) // s.tp
@@ -239,7 +247,7 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     else:
         acts += s.copies * T * h * b  # the [T, copies·h] activation sent on, kept for the backward
     lp_saved, lp_transient = logprob_bytes(dims, s) if last else (0, 0)
-    transient = max(lp_transient, layer_activation_bytes(dims, s), layer_transient)
+    transient = max(lp_transient, layer_transient + backward_working_bytes(dims, s))
     return StageMemory(stage=stage, params=params, weights=params * b * s.copies, grads=params * 4,
                        optimizer=int(params * optimizer_bytes_per_param(s)), activations=acts,
                        logprobs=lp_saved, transient=transient)
