@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.buckets import TensorSpec, Unpacker, pack, plan_buckets
+from megatron_rl.rollout.buckets import TensorSpec, Unpacker, one_copy_thread, pack, plan_buckets
 
 __all__ = ["GROUP_BACKENDS", "GroupAddress", "TensorSpec", "make_group", "open_listener", "receive_tensors",
            "send_tensors"]
@@ -98,7 +98,8 @@ def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> i
     specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
     in_flight, sent = None, 0
     for bucket in plan_buckets(specs, bucket_bytes):
-        buffer = pack(bucket, tensors)
+        with one_copy_thread():
+            buffer = pack(bucket, tensors)
         if in_flight is not None:
             in_flight.wait()
         in_flight, sent = _broadcast(group, buffer), sent + bucket.nbytes

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.rollout.buckets import TensorSpec
+from megatron_rl.rollout.buckets import TensorSpec, one_copy_thread
 
 ALIGN = 64  # byte alignment of each tensor in the file (any dtype view is legal, cache-line starts)
 
@@ -86,8 +86,9 @@ class SharedWeightsWriter:
         if self._mapping is None or self._mapping.nbytes != layout.nbytes or not os.path.exists(self.path):
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._mapping = _Mapping(self.path, layout.nbytes, create=True)
-        for (_, t), spec, offset in zip(named_tensors, layout.specs, layout.offsets, strict=True):
-            self._mapping.view(spec, offset).copy_(t)
+        with one_copy_thread():
+            for (_, t), spec, offset in zip(named_tensors, layout.specs, layout.offsets, strict=True):
+                self._mapping.view(spec, offset).copy_(t)
         return layout
 
 

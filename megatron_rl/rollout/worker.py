@@ -176,6 +176,7 @@ def _sync_command(backend: WorkerBackend, command, group_box: list, version: int
     """Join the broadcast groups, receive a weight version through them, or load one from
     shared memory; returns the version."""
     from megatron_rl.rollout.broadcast import make_group, receive_tensors
+    from megatron_rl.rollout.buckets import one_copy_thread
 
     if isinstance(command, JoinSyncGroup):
         group_box[:] = [make_group(address, command.rank) for address in command.addresses]
@@ -183,19 +184,23 @@ def _sync_command(backend: WorkerBackend, command, group_box: list, version: int
     if isinstance(command, LoadShared):
         from megatron_rl.rollout.shared_weights import read_shared
 
-        backend.load_tensors(item for layout in command.layouts for item in read_shared(layout))
+        with one_copy_thread():
+            backend.load_tensors(item for layout in command.layouts for item in read_shared(layout))
         return command.version
     if len(group_box) != len(command.sources):
         raise RuntimeError(f"ReceiveWeights from {len(command.sources)} senders, but {len(group_box)} groups joined")
     device = backend.device
-    backend.load_tensors(
-        item for group, specs in zip(group_box, command.sources, strict=True)
-        for item in receive_tensors(group, specs, command.bucket_bytes, device)
-    )
+    with one_copy_thread():
+        backend.load_tensors(
+            item for group, specs in zip(group_box, command.sources, strict=True)
+            for item in receive_tensors(group, specs, command.bucket_bytes, device)
+        )
     return command.version
 
 
 def _serve(backend: WorkerBackend, conn, version: int) -> None:
+    from megatron_rl.rollout.buckets import one_copy_thread
+
     group_box: list = []  # the broadcast sync group, once joined
     while True:
         try:
@@ -206,7 +211,8 @@ def _serve(backend: WorkerBackend, conn, version: int) -> None:
             return
         if isinstance(command, LoadWeights):
             try:
-                backend.load_weights(command.snapshot_dir)
+                with one_copy_thread():
+                    backend.load_weights(command.snapshot_dir)
             except Exception:
                 conn.send(Failed((), traceback.format_exc()))
                 continue

@@ -1,0 +1,209 @@
+"""Seconds and GB/s of one weight sync, trainer process -> engine worker processes.
+
+    python tools/bench_weight_sync.py [--model .cache/models/smollm2-135m-instruct] [--big 7b|3b|none]
+
+Demo model (SmolLM2-135M, fp32, ~0.54 GB): for each engine (``hf``, ``vllm`` when installed)
+and each ``rollout.weight_sync`` path, ``--syncs`` syncs of perturbed HF tensors into one
+worker, as the trainer does them after its HF export (snapshot: write the safetensors
+snapshot to /dev/shm + the worker reloads it; broadcast: flat buckets of ``--bucket-mb`` over
+the gloo group + load; shared_memory: write the /dev/shm weights file + the worker copies
+from it), the first not timed. Then a 7B-size synthetic tensor set (Qwen2.5-7B shapes, bf16, ~15.2 GB) through
+the bucketed broadcast path into a worker whose backend only receives (``SinkBackend``:
+transfer alone, no engine). Its tensors are views of one random bf16 buffer the size of the
+largest tensor, so the sender needs ~1 GB, not 15 (every byte is still packed and sent).
+
+Prints one JSON line: ``{"demo": {"hf": {"snapshot": {"s", "best_s", "gb_per_s", "cpu_s"},
+"broadcast": ..., "shared_memory": ...}, "vllm": ...}, "big": {"shape", "gb", "s", "gb_per_s"},
+"bucket_mb", "cores", "loadavg_start", "loadavg_end"}``; s is the median per-sync wall time,
+cpu_s the median CPU seconds of the trainer process and the worker together (on a machine
+shared with other jobs, the wall time grows with the load average; the CPU time does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# (hidden, intermediate, layers, heads, kv heads, vocab, tied) of the synthetic big models.
+SHAPES = {
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),  # Qwen2.5-7B
+    "3b": (2048, 11008, 36, 16, 2, 151936, True),  # Qwen2.5-3B
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=".cache/models/smollm2-135m-instruct")
+    p.add_argument("--engines", default="hf,vllm", help="comma-separated; vllm is skipped when not installed")
+    p.add_argument("--syncs", type=int, default=4, help="syncs per path (the first is warm-up)")
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--big", default="7b", choices=[*SHAPES, "none"])
+    p.add_argument("--big-syncs", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def qwen2_tensors(shape: str) -> list[tuple[str, torch.Tensor]]:
+    """HF-named bf16 tensors of a Qwen2 model of ``shape``, views of one random buffer."""
+    h, ffn, layers, heads, kv, vocab, tied = SHAPES[shape]
+    kv_dim = h // heads * kv
+    per_layer = {
+        "self_attn.q_proj.weight": (h, h), "self_attn.q_proj.bias": (h,),
+        "self_attn.k_proj.weight": (kv_dim, h), "self_attn.k_proj.bias": (kv_dim,),
+        "self_attn.v_proj.weight": (kv_dim, h), "self_attn.v_proj.bias": (kv_dim,),
+        "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
+        "mlp.down_proj.weight": (h, ffn), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+    shapes["model.norm.weight"] = (h,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, h)
+    pool = torch.randn(vocab * h, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    return [(n, pool[: _numel(s)].view(s)) for n, s in shapes.items()]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class SinkBackend:
+    """A worker backend that only receives: every tensor is read once (a checksum) and dropped."""
+
+    def __init__(self, spec) -> None:
+        self.checksum = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def load_tensors(self, named_tensors) -> None:
+        for _, t in named_tensors:
+            self.checksum += float(t.view(-1)[:1].float().sum())
+
+    def load_weights(self, snapshot_dir: str) -> None:
+        raise NotImplementedError
+
+    def generate(self, requests, weight_version):
+        raise NotImplementedError
+
+
+def _settings(engine: str, model_path: str, sync: str, bucket_mb: int, **extra):
+    from megatron_rl.rollout import EngineSettings
+
+    return EngineSettings(engine=engine, model_path=model_path, dtype="float32", num_engines=1,
+                          weight_sync=sync, sync_bucket_mb=bucket_mb, max_batch_size=4, **extra)
+
+
+def cpu_seconds(pids) -> float:
+    """CPU seconds (user + system) used so far by this process and the processes ``pids``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def time_syncs(engine, tensors, sync: str, syncs: int, root: Path) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of ``syncs`` syncs (the first dropped), perturbed tensors each time;
+    CPU counts the trainer process and the workers (the machine may be shared: CPU seconds are
+    the cost, wall seconds what a user waits)."""
+    from safetensors.torch import save_file
+
+    from megatron_rl.rollout.shared_weights import SharedWeightsWriter
+
+    writer, out = SharedWeightsWriter(root / "weights.bin"), []
+    for version in range(1, syncs + 1):
+        for _, t in tensors[:4]:
+            t.add_(1e-3)  # new weights every version (a few tensors suffice: the path moves all)
+        pids = [s.pid for s in engine.status()]
+        start, cpu = time.perf_counter(), cpu_seconds(pids)
+        if sync == "broadcast":
+            engine.update_weights_from_tensors(tensors, version)
+        elif sync == "shared_memory":
+            engine.update_weights_from_shared([writer.write(tensors)], version)
+        else:
+            snap = root / f"v{version}"
+            snap.mkdir()
+            save_file(dict(tensors), str(snap / "model.safetensors"), metadata={"format": "pt"})
+            engine.update_weights(str(snap), version)
+        out.append((time.perf_counter() - start, cpu_seconds(pids) - cpu))
+    return out[1:]
+
+
+def bench_demo(args, engine_name: str) -> dict:
+    from safetensors.torch import load_file
+
+    from megatron_rl.rollout import build_engine
+
+    tensors = sorted(load_file(str(Path(args.model) / "model.safetensors")).items())
+    gb = sum(t.nbytes for _, t in tensors) / 1e9
+    out = {}
+    for sync in ("snapshot", "broadcast", "shared_memory"):
+        engine = build_engine(_settings(engine_name, args.model, sync, args.bucket_mb))
+        try:
+            with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
+                timings = time_syncs(engine, tensors, sync, args.syncs, Path(root))
+        finally:
+            engine.shutdown()
+        s, cpu = statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)
+        out[sync] = {"s": round(s, 4), "gb_per_s": round(gb / s, 3), "cpu_s": round(cpu, 4), "gb": round(gb, 3),
+                     "best_s": round(min(t[0] for t in timings), 4)}
+    return out
+
+
+def bench_big(args) -> dict:
+    from megatron_rl.rollout import WorkerPool
+    from megatron_rl.rollout.engine import worker_specs
+
+    tensors = qwen2_tensors(args.big)
+    gb = sum(t.nbytes for _, t in tensors) / 1e9
+    (spec,) = worker_specs(_settings("hf", args.model, "broadcast", args.bucket_mb))
+    from dataclasses import replace
+
+    pool = WorkerPool([replace(spec, backend="bench_weight_sync:SinkBackend")], max_batch_size=1,
+                      sync_bucket_mb=args.bucket_mb)
+    try:
+        seconds = []
+        for version in range(1, args.big_syncs + 1):
+            start = time.perf_counter()
+            pool.update_weights_from_tensors(tensors, version)
+            seconds.append(time.perf_counter() - start)
+    finally:
+        pool.shutdown()
+    s = min(seconds)
+    return {"shape": f"qwen2.5-{args.big}", "dtype": "bfloat16", "gb": round(gb, 2), "s": round(s, 3),
+            "gb_per_s": round(gb / s, 3), "all_s": [round(x, 3) for x in seconds]}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # SinkBackend, importable by the worker
+    result = {"bucket_mb": args.bucket_mb, "cores": len(os.sched_getaffinity(0)), "demo": {},
+              "loadavg_start": os.getloadavg()[0]}
+    for engine in args.engines.split(","):
+        if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            result["demo"][engine] = "not installed"
+            continue
+        result["demo"][engine] = bench_demo(args, engine)
+    if args.big != "none":
+        result["big"] = bench_big(args)
+    result["loadavg_end"] = os.getloadavg()[0]
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
