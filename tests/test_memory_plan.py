@@ -85,14 +85,17 @@ def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int)
 
 
 def _plan(path, dtype: str, kl: float, recompute: str, tp: int, pp: int):
+    from megatron_rl.config.schema import TrainerConfig
     from megatron_rl.models.hf_config import decoder_spec_from_hf, read_hf_config
     from megatron_rl.plan.memory import MemorySettings, MicroBatchShape, ModelDims, estimate_memory
 
     dims = ModelDims.from_spec(decoder_spec_from_hf(read_hf_config(path)))
     shape = MicroBatchShape(tokens=PROMPT + K * RESPONSE, prompt_len=PROMPT, response_len=RESPONSE, responses=K,
                             parts=1)
+    chunk = getattr(TrainerConfig(steps=1), "logprob_chunk_tokens", None)  # the trainer's default, as built
     settings = MemorySettings(tp=tp, pp=pp, dp=1, dtype=dtype, copies=2 if kl else 1, distributed_optimizer=False,
-                              attention_backend="split", recompute=recompute, micro_batch=shape)
+                              attention_backend="split", recompute=recompute, micro_batch=shape,
+                              logprob_chunk_tokens=chunk)
     return estimate_memory(dims, settings)
 
 

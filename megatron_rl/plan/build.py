@@ -76,7 +76,8 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
         tp=layout.tp, pp=layout.pp, dp=layout.dp, dtype=cfg.model.dtype, copies=len(trimodel.active),
         distributed_optimizer=cfg.parallel.distributed_optimizer, attention_backend=backend,
         recompute=str(cfg.model.megatron.get("recompute_granularity") or "none"), micro_batch=micro_batch_shape(cfg),
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, entropy=cfg.algorithm.entropy_coef > 0)
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, entropy=cfg.algorithm.entropy_coef > 0,
+        logprob_chunk_tokens=getattr(cfg.trainer, "logprob_chunk_tokens", None))  # None: before chunked log-probs
 
 
 def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | DeviceSpec) -> Plan:

@@ -17,8 +17,10 @@ reports the largest. Nothing here allocates a tensor: it is arithmetic over `Mod
   per stage; the frozen copies run under no_grad and save nothing) — `layer_activation_bytes`
   per layer, recompute aware (``model.megatron.recompute_granularity``);
 - log-prob buffers (last stage): the fp32 softmax of the N response rows that megatron's
-  vocab-parallel cross entropy saves ([N, V/t] fp32), or of one chunk of rows when
-  ``logprob_chunk_tokens`` is set;
+  vocab-parallel cross entropy saves ([N, V/t] fp32). With ``trainer.logprob_chunk_tokens``
+  (`trimodel/logprobs.py`: the head runs on the N scored positions only, c rows at a time,
+  checkpointed when N > c) only the [N, h] head inputs stay, and one chunk is rebuilt in the
+  backward;
 - transient: the largest short-lived working set on top of the above: the [T, V/t] logits
   plus two fp32 [N, V/t] copies while log-probs are reduced, or a layer's backward working
   set (gradients of the SwiGLU intermediates, 3·T·f/t·b, and of the fp32 norm upcasts,
@@ -105,7 +107,9 @@ class MemorySettings:
     micro_batch: MicroBatchShape
     make_vocab_size_divisible_by: int = 128
     entropy: bool = False  # entropy bonus: its fp32 [N, V/t] terms are saved too
-    logprob_chunk_tokens: int | None = None  # rows reduced at a time; None = the whole micro-batch
+    # trainer.logprob_chunk_tokens: head rows scored at a time (checkpointed beyond one chunk);
+    # None = the head runs on all T positions and the N rows are reduced at once
+    logprob_chunk_tokens: int | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -220,10 +224,14 @@ def backward_working_bytes(dims: ModelDims, s: MemorySettings) -> int:
 def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     """(saved, transient) bytes of the last stage's log-prob reduction of the policy."""
     vocab = padded_vocab_size(dims.vocab, s.make_vocab_size_divisible_by, s.tp) // s.tp
-    n = s.micro_batch.response_tokens
-    rows = min(n, s.logprob_chunk_tokens or n)
-    saved = n * vocab * 4 * (3 if s.entropy else 1) + n * 17 + vocab  # softmax (+ entropy terms), targets, masks
-    transient = s.micro_batch.tokens * vocab * s.dtype_bytes + 2 * rows * vocab * 4
+    n, b, chunk = s.micro_batch.response_tokens, s.dtype_bytes, s.logprob_chunk_tokens
+    per_row = vocab * 4 * (3 if s.entropy else 1)  # fp32 softmax (+ entropy terms) saved per scored row
+    small = n * 17 + vocab  # targets, masks
+    if chunk is None:  # logits of all T positions, then the N rows reduced at once
+        return n * per_row + small, s.micro_batch.tokens * vocab * b + 2 * n * vocab * 4
+    rows = min(n, chunk)
+    saved = n * dims.hidden * b + small + (n * per_row if n <= chunk else 0)  # head inputs (+ one chunk's softmax)
+    transient = rows * vocab * (b + 8) + (rows * per_row if n > chunk else 0)  # a chunk's logits, fp32 copies
     return saved, transient
 
 
@@ -242,8 +250,8 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     if stage == 0:
         acts += 8 * T  # token ids for the embedding's backward
     last = stage == s.pp - 1
-    if last:
-        acts += T * h * (8 + b) + 4 * T  # final norm
+    if last:  # final norm; its output is kept by the head only when the head runs on all T positions
+        acts += T * h * 8 + 4 * T + (T * h * b if s.logprob_chunk_tokens is None else 0)
     else:
         acts += s.copies * T * h * b  # the [T, copies·h] activation sent on, kept for the backward
     lp_saved, lp_transient = logprob_bytes(dims, s) if last else (0, 0)

@@ -48,7 +48,9 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
          + (f", sharded over dp {s.dp}" if s.distributed_optimizer else ", not sharded")),
         ("activations", w.activations, f"1 micro-batch of {mb.tokens} tokens, {plan.dims.layers // s.pp} layers, "
          f"attention {s.attention_backend}, recompute {s.recompute}"),
-        ("log-probs", w.logprobs, f"fp32 softmax of {mb.response_tokens} response rows × vocab/tp"),
+        ("log-probs", w.logprobs, f"{mb.response_tokens} response rows: " + (
+            "fp32 softmax × vocab/tp" if s.logprob_chunk_tokens is None or mb.response_tokens <= s.logprob_chunk_tokens
+            else f"head inputs (chunks of {s.logprob_chunk_tokens} rows recomputed in backward)")),
         ("transient", w.transient, "logits + fp32 copies during log-probs, or one layer's backward"),
     ]
     lines = ["tri-model: " + "; ".join(plan.trimodel.reasons),
