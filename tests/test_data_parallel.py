@@ -5,7 +5,10 @@ the same batches (one dispatcher on rank 0: same prompts, same seeded samples) s
 DP replicas by tokens, and must end with the same weights (≤ 1e-5): DP = 2 and TP = 2 × DP = 2
 in sync and periodic mode, a 2-node run (two torchrun invocations on localhost), and runs
 resumed from a step-2 checkpoint written at another layout (TP 2 × DP 2 -> TP 1 × DP 1 and
-back), which also needs the Adam state resharded exactly.
+back, and TP 1 × DP 2 with the distributed optimizer), which also needs the Adam state
+resharded exactly: the optimizer files written after step 3 must hold the reference's state.
+In periodic mode every behaviour log-prob the engine reported for batch t is checked against
+a transformers forward of θ_t (exactly on-policy at DP > 1).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 
 from tests.distributed import _free_port, run_distributed
 from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config, train_recorded
+from tests.test_rl_loop import assert_engine_sampled_from_trained_weights
 
 TOL = 1e-5
 COMMON = ["trainer.save_every=1", "trainer.mini_batches=2"]
@@ -34,11 +38,35 @@ def setup(tmp_path_factory):
     return tmp, str(config), reference
 
 
+LAYOUTS = {
+    "dp2_sync": (2, ["pipeline.mode=sync"]),
+    "dp2_periodic": (2, ["pipeline.mode=periodic"]),
+    "tp2_dp2_sync": (4, ["parallel.tp=2", "pipeline.mode=sync"]),
+    "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic"]),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_run(setup):
+    """``layout_run(name)``: (save dir, history) of the 3-step run at ``LAYOUTS[name]``, run once."""
+    tmp, config, _ = setup
+    done = {}
+
+    def get(name):
+        if name not in done:
+            world, overrides = LAYOUTS[name]
+            done[name] = _run(tmp, config, name, world, overrides)
+        return done[name]
+
+    return get
+
+
 def _run(tmp, config, name, world, overrides):
     out = tmp / name
     ranks = run_distributed(train_recorded, world, config, [*COMMON, *overrides, f"trainer.save_dir={out}"],
                             timeout_s=600)
-    return out, ranks[0][0]
+    history, results = ranks[0]
+    return out, history, results
 
 
 def _max_diff(a_dir, b_dir) -> float:
@@ -55,30 +83,23 @@ def assert_same_weights(tmp, ref_dir, out_dir):
     assert diff <= TOL, f"weights differ from the DP=1 run by {diff:.2e}"
 
 
-LAYOUTS = {
-    "dp2_sync": (2, ["pipeline.mode=sync"]),
-    "dp2_periodic": (2, ["pipeline.mode=periodic"]),
-    "tp2_dp2_sync": (4, ["parallel.tp=2", "pipeline.mode=sync"]),
-    "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic"]),
-}
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_data_parallel_run_equals_the_dp1_run(setup, layout):
+def test_data_parallel_run_equals_the_dp1_run(setup, layout_run, layout):
     """Groups routed to replicas by tokens; each mini-batch's update is the DP=1 update."""
-    tmp, config, (ref_dir, ref_hist) = setup
-    world, overrides = LAYOUTS[layout]
-    out, history = _run(tmp, config, layout, world, overrides)
+    tmp, _, (ref_dir, ref_hist, _) = setup
+    out, history, results = layout_run(layout)
     assert_same_weights(tmp, ref_dir, out)
     assert [h["train/optimizer_steps"] for h in history] == [2] * 3
     assert [h["train/responses"] for h in history] == [h["train/responses"] for h in ref_hist]
     for h in history:  # both replicas trained (2.0 would be everything on one)
         assert 1.0 <= h["train/dp_imbalance"] < 2.0
+    if "periodic" in layout:
+        assert_engine_sampled_from_trained_weights(tmp, out, results)
 
 
 def test_two_node_run_equals_the_one_node_run(setup):
     """Two torchrun invocations (--nnodes 2, one rank each, localhost) = one DP=2 world."""
-    tmp, config, (ref_dir, _) = setup
+    tmp, config, (ref_dir, _, _) = setup
     out, port = tmp / "two_nodes", _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
@@ -92,18 +113,35 @@ def test_two_node_run_equals_the_one_node_run(setup):
     assert_same_weights(tmp, ref_dir, out)
 
 
-@pytest.mark.parametrize("direction", ["tp2_dp2_to_tp1_dp1", "tp1_dp1_to_tp2_dp2"])
-def test_resume_on_another_layout_continues_exactly(setup, direction):
+RESUMES = {  # saved by -> resumed at (world, overrides)
+    "tp2_dp2_to_tp1_dp1": ("tp2_dp2_sync", 1, []),
+    "tp1_dp1_to_tp2_dp2": ("reference", 4, ["parallel.tp=2"]),
+    "tp1_dp1_to_dp2_distributed_optimizer": ("reference", 2, ["parallel.distributed_optimizer=true"]),
+}
+
+
+@pytest.mark.parametrize("direction", list(RESUMES))
+def test_resume_on_another_layout_continues_exactly(setup, layout_run, direction):
     """A step-2 checkpoint (weights + Adam state per HF parameter) resumed at another layout:
-    step 3 ends with the uninterrupted run's weights."""
-    tmp, config, (ref_dir, _) = setup
-    if direction == "tp2_dp2_to_tp1_dp1":
-        saved, _ = _run(tmp, config, "saved_tp2_dp2", 4, ["parallel.tp=2", "pipeline.mode=sync",
-                                                          "trainer.steps=2"])
-        world, layout = 1, []
-    else:
-        saved, world, layout = ref_dir, 4, ["parallel.tp=2"]
-    out, history = _run(tmp, config, f"resumed_{direction}", world,
-                        [*layout, "pipeline.mode=sync", f"trainer.resume_from={saved / 'step_2'}"])
+    step 3 ends with the uninterrupted run's weights and optimizer state."""
+    tmp, config, (ref_dir, _, _) = setup
+    saved_by, world, layout = RESUMES[direction]
+    saved = ref_dir if saved_by == "reference" else layout_run(saved_by)[0]
+    out, history, _ = _run(tmp, config, f"resumed_{direction}", world,
+                           [*layout, "pipeline.mode=sync", f"trainer.resume_from={saved / 'step_2'}"])
     assert len(history) == 1
     assert_same_weights(tmp, ref_dir, out)
+    want, got = _optimizer_state(ref_dir / "step_3"), _optimizer_state(out / "step_3")
+    assert want.keys() == got.keys() and any(k.startswith("exp_avg_sq/") for k in want)
+    diff = max((want[k] - got[k]).abs().max().item() / want[k].abs().max().item() for k in want)
+    print(f"max relative |Adam state diff| vs the uninterrupted run: {diff:.2e}")
+    assert diff <= 1e-4
+
+
+def _optimizer_state(checkpoint) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted((checkpoint / "optimizer").glob("*.safetensors")):
+        out.update(load_file(file))
+    return out

@@ -49,8 +49,8 @@ class _Access:
         self.parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
         self.main: dict[torch.nn.Parameter, tuple[object, torch.Tensor | None]] = {}  # None: distributed
         for part in self.parts:
-            if isinstance(part, DistributedOptimizer):
-                self.main.update((p, (part, None)) for p in part.model_param_group_index_map)
+            if isinstance(part, DistributedOptimizer):  # every parameter, owned here or not
+                self.main.update((p, (part, None)) for buf in part.buffers for p in buf.params)
             elif hasattr(part, "float16_groups"):
                 pairs = zip(chain(*part.float16_groups), chain(*part.fp32_from_float16_groups), strict=True)
                 self.main.update((p, (part, m)) for p, m in pairs)
@@ -99,6 +99,8 @@ class _Access:
 
     @staticmethod
     def _set_distributed(part, param, tensors, step) -> None:
+        if param not in part.model_param_group_index_map:
+            return  # another DP rank owns all of it
         span = part._get_model_param_range_map(param)["param"]
         group_index, group_order = part.model_param_group_index_map[param]
         main = part.optimizer.param_groups[group_index]["params"][group_order]
