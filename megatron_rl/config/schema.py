@@ -262,6 +262,9 @@ class TrainerConfig:
     # Optimizer steps skipped in a row because the loss or a gradient was NaN / inf (same verdict on
     # every rank) before the run stops with an error; each skip is counted in train/nonfinite_steps.
     max_nonfinite_steps: int = 3
+    # Response positions whose logits (fp32, [n, vocab/tp]) are materialised at once when computing
+    # log-probs; longer micro-batches are scored in chunks (recomputed in backward for the policy).
+    logprob_chunk_tokens: int = 4096
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,6 +40,7 @@ POSITIVE = (
     "algorithm.temperature", "algorithm.behav_weight_cap", "control.sagc.eta",
     "control.sagc.lambda_max", "control.sagc.prior_alpha", "control.sagc.prior_beta",
     "rollout.request_timeout_s", "rollout.start_timeout_s", "reward.timeout_s", "rollout.sync_bucket_mb",
+    "trainer.logprob_chunk_tokens",
 )
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",

@@ -47,6 +47,7 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
                          offload_old=t.offload_old, offload_ref=t.offload_reference)
     old, ref = load_frozen_copies(plan, policy_path=Path(settings.hf_path), ref_path=settings.ref_path, **build)
     trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
-                        temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0)
+                        temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0,
+                        logprob_chunk_tokens=t.logprob_chunk_tokens)
     trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss)
     return trainer, policy, spec

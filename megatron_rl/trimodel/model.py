@@ -82,6 +82,7 @@ class TriModel:
         vocab_size: int,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        logprob_chunk_tokens: int = 4096,
     ) -> None:
         """``policy``: the GPTModel stage or a wrapper whose ``.module`` chain ends in it (DDP).
         ``old`` / ``ref``: GPTModel stages built like the policy, or None where ``plan`` skips them."""
@@ -99,7 +100,8 @@ class TriModel:
             if copy_plan.residency is Residency.OFFLOADED:
                 self._offload[name] = HostOffload(module, device=device)
         self.stage = TriStage(policy=policy, old=old, ref=ref, vocab_size=vocab_size,
-                              temperature=temperature, with_entropy=with_entropy)
+                              temperature=temperature, with_entropy=with_entropy,
+                              logprob_chunk_tokens=logprob_chunk_tokens)
 
     def run(
         self, micro_batches: Sequence[PackedMicroBatch], *, loss: LossFn, forward_only: bool = False,

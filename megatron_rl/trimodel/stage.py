@@ -25,7 +25,7 @@ import torch
 
 from megatron_rl.attention.context import packed_attention
 from megatron_rl.attention.packing import PackedMicroBatch
-from megatron_rl.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_rl.trimodel.logprobs import head_logprobs, hidden_states_only
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +58,7 @@ class TriStage(torch.nn.Module):
         vocab_size: int,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        logprob_chunk_tokens: int = 4096,
     ) -> None:
         super().__init__()
         self.policy, self.old, self.ref = policy, old, ref
@@ -66,6 +67,7 @@ class TriStage(torch.nn.Module):
         self.model_type = inner.model_type
         self.post_process = inner.post_process
         self.vocab_size, self.temperature, self.with_entropy = vocab_size, temperature, with_entropy
+        self.logprob_chunk_tokens = logprob_chunk_tokens
 
     def streams(self) -> list[tuple[torch.nn.Module, bool]]:
         """(module, frozen) of the active copies in stream order: policy, old, ref."""
@@ -91,8 +93,12 @@ class TriStage(torch.nn.Module):
         with packed_attention(mb.layout):
             for module, frozen in self.streams():
                 with torch.no_grad() if frozen else contextlib.nullcontext():
-                    out = module(ids, pos, attention_mask=None)
-                    outs.append(out if not self.post_process else self._reduce(out[0, index], targets, frozen))
+                    if not self.post_process:
+                        outs.append(module(ids, pos, attention_mask=None))
+                        continue
+                    with hidden_states_only(unwrap(module)):
+                        hidden = module(ids, pos, attention_mask=None)  # [T, 1, h]
+                    outs.append(self._reduce(module, hidden[index, 0], targets, frozen))
         if not self.post_process:
             return torch.cat(outs, dim=1)
         policy_lp, policy_ent = outs[0]
@@ -100,10 +106,8 @@ class TriStage(torch.nn.Module):
         ref = outs[-1][0] if self.ref is not None else None
         return TriLogprobs(policy=policy_lp, old=old, ref=ref, entropy=policy_ent, old_is_policy=self.old is None)
 
-    def _reduce(self, logits: torch.Tensor, targets: torch.Tensor, frozen: bool):
-        """``logits [N, V/tp]`` -> (log-probs [N], entropy [N] or None)."""
-        lp = vocab_parallel_logprobs(logits, targets, vocab_size=self.vocab_size, temperature=self.temperature)
-        ent = None
-        if self.with_entropy and not frozen:
-            ent = vocab_parallel_entropy(logits, vocab_size=self.vocab_size, temperature=self.temperature)
-        return lp, ent
+    def _reduce(self, module: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, frozen: bool):
+        """Hidden states ``[N, h]`` of the scored positions -> (log-probs [N], entropy [N] or None)."""
+        return head_logprobs(unwrap(module), hidden, targets, vocab_size=self.vocab_size,
+                             temperature=self.temperature, with_entropy=self.with_entropy and not frozen,
+                             chunk_tokens=self.logprob_chunk_tokens)
