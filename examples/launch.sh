@@ -2,11 +2,13 @@
 # Launch a recipe with torchrun on this node: examples/launch.sh CONFIG.yaml [a.b.c=value ...]
 #
 # One node:   NPROC_PER_NODE=4 examples/launch.sh CONFIG.yaml
-# Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] NPROC_PER_NODE=4 \
-#               examples/launch.sh CONFIG.yaml
-# NPROC_PER_NODE is the node's training ranks: its devices minus the engine devices of rollout.devices
-# (`python -m megatron_rl plan CONFIG --nodes N --devices-per-node D --device KIND` prints the layout).
-# ROLLOUT_DEVICES, PLATFORM, SOCKET_IFNAME, NODE_IP: see examples/platform_env.sh.
+# Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] \
+#               DEVICES_PER_NODE=8 ENGINE_DEVICES=4 examples/launch.sh CONFIG.yaml
+# The rollout engines run on node 0 (global rank 0 starts them on rollout.devices), so node 0 trains
+# on DEVICES_PER_NODE - ENGINE_DEVICES ranks and every other node on DEVICES_PER_NODE; NPROC_PER_NODE
+# overrides this node's count. `python -m megatron_rl plan CONFIG --nodes N --devices-per-node D
+# --device KIND` prints the layout. ROLLOUT_DEVICES, PLATFORM, SOCKET_IFNAME, NODE_IP: see
+# examples/platform_env.sh.
 # MEGATRON_RL_DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
@@ -17,7 +19,6 @@ CONFIG=$1; shift
 cd "$(dirname "$0")/.."
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-NPROC_PER_NODE=${NPROC_PER_NODE:-${NPROC:-1}}
 MASTER_PORT=${MASTER_PORT:-29500}
 # shellcheck source=examples/platform_env.sh
 source examples/platform_env.sh

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Launch a recipe with msrun (Ascend) on this node: examples/launch_msrun.sh CONFIG.yaml [a.b.c=value ...]
 #
-# Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] NPROC_PER_NODE=4 \
-#               examples/launch_msrun.sh CONFIG.yaml
-# msrun starts NPROC_PER_NODE workers per node (and, on the master node, a scheduler process running
-# the same command). Each worker re-enters this script, which maps msrun's variables to the
-# torch.distributed ones (RANK_ID -> RANK, MS_WORKER_NUM -> WORLD_SIZE, MS_SCHED_HOST/PORT ->
-# MASTER_ADDR/PORT) and execs the trainer; the scheduler (MS_ROLE=MS_SCHED) exits at once: torch_npu
-# ranks rendezvous through MASTER_ADDR, not MindSpore's scheduler.
+# Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] \
+#               DEVICES_PER_NODE=8 ENGINE_DEVICES=4 examples/launch_msrun.sh CONFIG.yaml
+# Node 0 trains on DEVICES_PER_NODE - ENGINE_DEVICES ranks (its other devices run the rollout
+# engines), the other nodes on DEVICES_PER_NODE (see examples/platform_env.sh). msrun starts this
+# node's workers (and, on the master node, a scheduler process running the same command). Each
+# worker re-enters this script, which sets the torch.distributed variables (RANK = RANK_BASE +
+# LOCAL_RANK: msrun's own RANK_ID assumes equal nodes; WORLD_SIZE = TRAIN_WORLD_SIZE; MASTER_ADDR /
+# MASTER_PORT = msrun's scheduler address) and execs the trainer; the scheduler (MS_ROLE=MS_SCHED)
+# exits at once: torch_npu ranks rendezvous through MASTER_ADDR, not MindSpore's scheduler.
 # LOG_DIR (default runs/msrun_logs) gets one log per worker. ROLLOUT_DEVICES, SOCKET_IFNAME, NODE_IP:
 # see examples/platform_env.sh. MEGATRON_RL_DRY_RUN=1 prints the msrun command instead of running it.
 set -euo pipefail
@@ -18,8 +20,8 @@ PY=${PY:-.venv/bin/python}
 case ${MS_ROLE:-} in
   MS_SCHED) exit 0 ;;
   MS_WORKER)
-    export WORLD_SIZE=$MS_WORKER_NUM RANK=$RANK_ID MASTER_ADDR=$MS_SCHED_HOST MASTER_PORT=$MS_SCHED_PORT
-    export LOCAL_WORLD_SIZE=${NPROC_PER_NODE:?} LOCAL_RANK=${LOCAL_RANK:?}
+    export WORLD_SIZE=${TRAIN_WORLD_SIZE:?} RANK=$((${RANK_BASE:?} + ${LOCAL_RANK:?}))
+    export MASTER_ADDR=$MS_SCHED_HOST MASTER_PORT=$MS_SCHED_PORT LOCAL_WORLD_SIZE=${NPROC_PER_NODE:?}
     exec "$PY" -m megatron_rl train "$@"
     ;;
 esac
@@ -29,18 +31,16 @@ if [[ $# -lt 1 ]]; then
   exit 2
 fi
 CONFIG=$1; shift
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-NPROC_PER_NODE=${NPROC_PER_NODE:-8}
+DEVICES_PER_NODE=${DEVICES_PER_NODE:-8}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 LOG_DIR=${LOG_DIR:-runs/msrun_logs}
 PLATFORM=${PLATFORM:-npu}
 # shellcheck source=examples/platform_env.sh
 source examples/platform_env.sh
-export NPROC_PER_NODE PY
+export PY
 
-run_or_print msrun --worker_num="$((NNODES * NPROC_PER_NODE))" --local_worker_num="$NPROC_PER_NODE" \
+run_or_print msrun --worker_num="$TRAIN_WORLD_SIZE" --local_worker_num="$NPROC_PER_NODE" \
   --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK" --log_dir="$LOG_DIR" \
   --join=True --cluster_time_out="${CLUSTER_TIME_OUT:-600}" \
   "$SELF" "$CONFIG" --platform "$PLATFORM" "${ROLLOUT_OVERRIDES[@]}" "$@"

@@ -42,11 +42,16 @@ def test_parameter_count_equals_the_published_one(path, device, published):
 
 def test_ranks_follow_megatron_order_tp_fastest_then_dp_then_pp():
     cfg = load_config(QWEN25, ["parallel.tp=2", "parallel.pp=2"])
-    layout = plan_layout(cfg, nodes=2, devices_per_node=8)  # 4 training ranks per node, 8 in all
-    assert (layout.ranks_per_node, layout.world_size, layout.dp) == (4, 8, 2)
+    layout = plan_layout(cfg, nodes=2, devices_per_node=8)  # node 0: 4 ranks + 4 engine NPUs; node 1: 8 ranks
+    assert (layout.ranks_per_node, layout.world_size, layout.dp) == ((4, 8), 12, 3)
     for r in layout.ranks:
-        assert r.rank == r.tp + 2 * r.dp + 4 * r.pp
-        assert (r.node, r.local_rank) == divmod(r.rank, 4)
+        assert r.rank == r.tp + 2 * r.dp + 6 * r.pp
+        assert (r.node, r.local_rank) == ((0, r.rank) if r.rank < 4 else (1, r.rank - 4))
+    assert layout.warnings() == []
+    spans = plan_layout(load_config(QWEN25, ['rollout.devices=["npu:4,5"]', "rollout.num_engines=1"]), nodes=3,
+                        devices_per_node=6)  # 4 + 6 + 6 ranks at tp 4: ranks 8-11 sit on nodes 1 and 2
+    assert spans.ranks_per_node == (4, 6, 6)
+    assert [w.split(":")[0] for w in spans.warnings()] == ["tp group of ranks 8-11 spans nodes [1, 2]"]
 
 
 def test_distributed_optimizer_divides_the_optimizer_state_by_dp():
@@ -55,14 +60,14 @@ def test_distributed_optimizer_divides_the_optimizer_state_by_dp():
 
     sharded, whole = stage(), stage("parallel.distributed_optimizer=false")
     assert whole.optimizer == whole.params * 12  # bf16: fp32 master + two fp32 moments
-    assert sharded.optimizer == whole.optimizer // 2  # dp = 2
+    assert sharded.optimizer == whole.optimizer // 3  # dp = 3
     assert sharded.grads == sharded.params * 4 and sharded.weights == sharded.params * 2 * 2  # policy + ref
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
     (['rollout.devices=["npu:2,3","npu:6,7"]'], "rollout.devices"),  # 2,3 are training devices (ids 0-3)
-    (["parallel.dp=4"], "parallel.dp"),  # 8 ranks / tp 4 = dp 2
-    (["parallel.pp=4"], "parallel.tp"),  # tp 4 × pp 4 = 16 does not divide 8 ranks
+    (["parallel.dp=4"], "parallel.dp"),  # 12 ranks / tp 4 = dp 3
+    (["parallel.pp=2"], "parallel.tp"),  # tp 4 × pp 2 = 8 does not divide 12 ranks
 ])
 def test_impossible_layouts_name_the_key(overrides, key, capsys):
     cfg = load_config(QWEN25, overrides)

@@ -115,20 +115,27 @@ def test_launch_scripts_start_the_planned_ranks_per_node(name):
     assert (RECIPES_DIR / name / "run.sh") in scripts
     if device == "910b":
         assert (RECIPES_DIR / name / "run_msrun.sh") in scripts
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "NNODES", "NPROC_PER_NODE", "PLATFORM")}
-    env.update(MEGATRON_RL_DRY_RUN="1", MODEL_DIR="/data/model", NODE_RANK="0")
+    launch_vars = ("MASTER_ADDR", "NNODES", "NPROC_PER_NODE", "NPROC", "PLATFORM", "DEVICES_PER_NODE", "ENGINE_DEVICES",
+                   "TRAIN_WORLD_SIZE", "RANK_BASE")
+    base = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    base.update(MEGATRON_RL_DRY_RUN="1", MODEL_DIR="/data/model")
     if nodes > 1:
-        env["MASTER_ADDR"] = "10.0.0.1"
+        base["MASTER_ADDR"] = "10.0.0.1"
     for script in scripts:
-        out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
-        command = out.strip().splitlines()[-1]
-        assert "model.hf_path=/data/model" in command
-        if script.name == "run_msrun.sh":
-            assert f"--local_worker_num={plan.layout.ranks_per_node} " in command
-            assert f"--worker_num={plan.layout.world_size} " in command
-        else:
-            assert f"--nproc_per_node {plan.layout.ranks_per_node} " in command
-            assert ("--standalone" in command) == (nodes == 1)
+        for node in range(nodes):
+            env = {**base, "NODE_RANK": str(node)}
+            out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+            lines = out.strip().splitlines()
+            command, exports = lines[-1], set(lines[:-1])
+            first_rank = next(r.rank for r in plan.layout.ranks if r.node == node)
+            assert {f"export TRAIN_WORLD_SIZE={plan.layout.world_size}", f"export RANK_BASE={first_rank}"} <= exports
+            assert "model.hf_path=/data/model" in command
+            if script.name == "run_msrun.sh":
+                assert f"--local_worker_num={plan.layout.ranks_per_node[node]} " in command
+                assert f"--worker_num={plan.layout.world_size} " in command and f"--node_rank={node} " in command
+            else:
+                assert f"--nproc_per_node {plan.layout.ranks_per_node[node]} " in command
+                assert ("--standalone" in command) == (nodes == 1)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -2,17 +2,18 @@
 
 Contract (what `examples/launch.sh` and `examples/launch_msrun.sh` launch):
 
-- Nodes are alike. ``rollout.devices`` names the engine devices of ONE node by local id
-  (``"npu:6,7"``); every node runs that set of engines, so the pool has nodes × num_engines
-  engines. Engine processes set their own ``*_VISIBLE_DEVICES`` from these ids.
-- Training ranks take the node's other devices: local rank i uses device i (torch's
-  ``set_device(LOCAL_RANK)``), so engine ids must lie at or above the number of training
-  ranks per node, and below ``--devices-per-node``. The launcher starts that many ranks per
-  node (``NPROC_PER_NODE``); global rank = node × ranks per node + local rank.
+- The engines run on node 0: global rank 0 is the one dispatcher that starts them
+  (`pipeline/dispatch.py`), so ``rollout.devices`` names device ids of node 0 (``"npu:6,7"``);
+  engine processes set their own ``*_VISIBLE_DEVICES`` from them. CPU engines (``"cpu:0-3"``,
+  pinned cores) take no device.
+- Training ranks take every other device: local rank i uses device i (torch's
+  ``set_device(LOCAL_RANK)``), so node 0 runs ``devices_per_node - engine devices`` ranks and
+  its engine ids must lie at or above that count; every other node runs ``devices_per_node``
+  ranks. Global ranks are numbered node by node (torchrun's cumulative assignment; the msrun
+  launcher computes the same ``RANK_BASE``).
 - The TP / PP / DP coordinates of a global rank are megatron-core's (its ``RankGenerator``,
-  order ``tp-cp-ep-dp-pp``: TP fastest, so a TP group stays inside a node when TP divides the
-  ranks per node).
-CPU engines (``"cpu:0-3"``, pinned cores) take no device.
+  order ``tp-cp-ep-dp-pp``: TP fastest). A TP group that spans two nodes works but pays the
+  inter-node network on every layer: the plan warns.
 """
 
 from __future__ import annotations
@@ -41,16 +42,27 @@ class ClusterLayout:
 
     nodes: int
     devices_per_node: int
-    ranks_per_node: int
+    ranks_per_node: tuple[int, ...]  # training ranks (NPROC_PER_NODE) of each node
     tp: int
     pp: int
     dp: int
     ranks: tuple[RankPlace, ...]
-    engine_devices: tuple[str, ...]  # rollout.devices: the engines of every node
+    engine_devices: tuple[str, ...]  # rollout.devices: the engines, on node 0
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    def warnings(self) -> list[str]:
+        """TP groups that span nodes (slow: every layer all-reduces over the network)."""
+        out = []
+        for tp_rank0 in (r for r in self.ranks if r.tp == 0):
+            group = self.ranks[tp_rank0.rank:tp_rank0.rank + self.tp]
+            if len({r.node for r in group}) > 1:
+                out.append(f"tp group of ranks {group[0].rank}-{group[-1].rank} spans nodes "
+                           f"{sorted({r.node for r in group})}: choose parallel.tp dividing every node's ranks "
+                           f"{list(self.ranks_per_node)}")
+        return out
 
 
 class LayoutError(ValueError):
@@ -74,29 +86,30 @@ def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLay
     engine_ids = engine_device_ids(cfg)
     if len(set(engine_ids)) != len(engine_ids):
         raise LayoutError(f"rollout.devices {cfg.rollout.devices} name a device twice")
-    ranks_per_node = devices_per_node - len(engine_ids)
-    if ranks_per_node < 1:
-        raise LayoutError(f"rollout.devices {cfg.rollout.devices} take all {devices_per_node} devices of a node; "
+    node0 = devices_per_node - len(engine_ids)
+    if node0 < 1:
+        raise LayoutError(f"rollout.devices {cfg.rollout.devices} take all {devices_per_node} devices of node 0; "
                           "leave some for training or raise --devices-per-node")
-    clash = [i for i in engine_ids if i < ranks_per_node or i >= devices_per_node]
+    clash = [i for i in engine_ids if i < node0 or i >= devices_per_node]
     if clash:
-        want = f"ids {ranks_per_node}..{devices_per_node - 1}"
+        want = f"ids {node0}..{devices_per_node - 1}"
         raise LayoutError(f"rollout.devices {cfg.rollout.devices}: device(s) {clash} are training devices or absent; "
-                          f"training ranks use ids 0..{ranks_per_node - 1} (local rank = device), so name engine "
+                          f"node 0's training ranks use ids 0..{node0 - 1} (local rank = device), so name engine "
                           f"{want}")
+    per_node = (node0,) + (devices_per_node,) * (nodes - 1)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    world = nodes * ranks_per_node
+    world = sum(per_node)
     if world % (tp * pp):
         raise LayoutError(f"parallel.tp ({tp}) × parallel.pp ({pp}) = {tp * pp} does not divide the {world} training "
-                          f"ranks ({nodes} node(s) × {ranks_per_node}); change parallel.tp / parallel.pp or the layout")
+                          f"ranks (per node {list(per_node)}); change parallel.tp / parallel.pp or the layout")
     dp = world // (tp * pp)
     if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
         raise LayoutError(f"parallel.dp ({cfg.parallel.dp}) ≠ {dp} = {world} training ranks / (tp × pp); "
                           f"set parallel.dp to {dp} or leave it unset")
     coords = _coordinates(tp=tp, pp=pp, dp=dp)
-    ranks = tuple(RankPlace(rank=r, node=r // ranks_per_node, local_rank=r % ranks_per_node, **coords[r])
-                  for r in range(world))
-    return ClusterLayout(nodes=nodes, devices_per_node=devices_per_node, ranks_per_node=ranks_per_node, tp=tp, pp=pp,
+    places = [(node, local) for node, n in enumerate(per_node) for local in range(n)]
+    ranks = tuple(RankPlace(rank=r, node=node, local_rank=local, **coords[r]) for r, (node, local) in enumerate(places))
+    return ClusterLayout(nodes=nodes, devices_per_node=devices_per_node, ranks_per_node=per_node, tp=tp, pp=pp,
                          dp=dp, ranks=ranks, engine_devices=tuple(cfg.rollout.devices))
 
 

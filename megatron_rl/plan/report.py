@@ -26,13 +26,15 @@ def layout_lines(plan: Plan) -> list[str]:
     """Per node: each training rank with its TP / PP / DP coordinates, then the engines."""
     lay = plan.layout
     lines = [f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
-             f"{lay.ranks_per_node} per node (NPROC_PER_NODE), {len(lay.engine_devices)} engine(s) per node"]
+             f"{len(lay.engine_devices)} rollout engine(s) on node 0 (started by global rank 0)"]
     for node in range(lay.nodes):
         ranks = [r for r in lay.ranks if r.node == node]
-        lines.append(f"  node {node}: training devices {_ids([r.local_rank for r in ranks])}")
+        lines.append(f"  node {node}: NPROC_PER_NODE={lay.ranks_per_node[node]}, training devices "
+                     f"{_ids([r.local_rank for r in ranks])}")
         lines += [f"    device {r.local_rank}: rank {r.rank:>4}  tp {r.tp}  pp {r.pp}  dp {r.dp}" for r in ranks]
-        for e, text in enumerate(lay.engine_devices):
-            lines.append(f"    engine {node * len(lay.engine_devices) + e}: {text}")
+        if node == 0:
+            lines += [f"    engine {e}: {text}" for e, text in enumerate(lay.engine_devices)]
+    lines += [f"  warning: {w}" for w in lay.warnings()]
     return lines
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # qwen2.5-7b-grpo-sagc with torchrun, on every node (see config.yaml for the layout):
 #   MODEL_DIR=/path/to/Qwen2.5-7B-Instruct [NNODES=2 NODE_RANK=<rank> MASTER_ADDR=<node 0 address>] examples/recipes/qwen2.5-7b-grpo-sagc/run.sh [a.b.c=value ...]
-# NPROC_PER_NODE (4) = devices per node - engine devices (`python -m megatron_rl plan` prints it).
+# Node 0 trains on DEVICES_PER_NODE - ENGINE_DEVICES ranks (the engines take rollout.devices), the
+# other nodes on DEVICES_PER_NODE (`python -m megatron_rl plan` prints the layout).
 set -euo pipefail
-export PLATFORM=${PLATFORM:-cuda} NNODES=${NNODES:-2} NPROC_PER_NODE=${NPROC_PER_NODE:-4}
+export PLATFORM=${PLATFORM:-cuda} NNODES=${NNODES:-2} DEVICES_PER_NODE=${DEVICES_PER_NODE:-8} ENGINE_DEVICES=${ENGINE_DEVICES:-4}
 exec "$(dirname "$0")/../../launch.sh" examples/recipes/qwen2.5-7b-grpo-sagc/config.yaml \
   "model.hf_path=${MODEL_DIR:?set MODEL_DIR to the Qwen2.5-7B-Instruct checkpoint directory}" "$@"
