@@ -91,3 +91,17 @@ def test_refusal_lists_only_knobs_that_fit(capsys):
             extra = []
         fixed = load_config(QWEN25, ["pipeline.micro_batch_tokens=32768", f"{key}={value}", *extra])
         assert build_plan(fixed, nodes=2, devices_per_node=8, device="910b").fits, knob
+
+
+def test_cpu_ranks_of_a_node_share_its_ram():
+    from megatron_rl.plan import DeviceSpec
+
+    cfg = load_config(QWEN25, ["attention.backend=auto"])  # split attention on the CPU
+
+    def plan_with(ram: int):
+        return build_plan(cfg, nodes=1, devices_per_node=8, device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=ram,
+                                                                               peak_tflops=None, usable_fraction=1.0))
+
+    per_rank = plan_with(1).worst.total  # 4 training ranks on the node (4 "devices" go to the engines)
+    assert plan_with(4 * per_rank).fits and not plan_with(4 * per_rank - 1).fits
+    assert plan_with(4 * per_rank - 1).sharers == 4

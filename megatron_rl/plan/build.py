@@ -49,8 +49,13 @@ class Plan:
         return max(self.stages, key=lambda s: s.total)
 
     @property
+    def sharers(self) -> int:
+        """Training ranks that share one device's memory: all ranks of a node on the CPU, else 1."""
+        return max(self.layout.ranks_per_node) if self.device.kind == "cpu" else 1
+
+    @property
     def fits(self) -> bool:
-        return self.worst.total <= self.device.usable_bytes
+        return self.worst.total * self.sharers <= self.device.usable_bytes
 
 
 def micro_batch_shape(cfg: Config, tokens: int | None = None) -> MicroBatchShape:
@@ -97,16 +102,17 @@ def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | 
                 trimodel=trimodel, stages=stages, advice=())
     if plan.fits:
         return plan
-    return Plan(**{**plan.__dict__, "advice": tuple(_advice(cfg, dims, settings, spec_dev, layout.world_size))})
+    advice = _advice(cfg, dims, settings, spec_dev.usable_bytes // plan.sharers, layout.world_size)
+    return Plan(**{**plan.__dict__, "advice": tuple(advice)})
 
 
 def _peak(dims: ModelDims, settings: MemorySettings) -> int:
     return max(s.total for s in estimate_memory(dims, settings))
 
 
-def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, device: DeviceSpec, world: int) -> list[str]:
-    """One line per knob that, changed alone, makes the largest stage fit (or helps most)."""
-    usable, out = device.usable_bytes, []
+def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world: int) -> list[str]:
+    """One line per knob that, changed alone, brings the largest stage under `usable` bytes."""
+    out: list[str] = []
     sizes = {"num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "intermediate_size": dims.ffn}
 
     def first_fit(key: str, values, change, note: str = "") -> None:

@@ -25,8 +25,10 @@ def _ids(ids: list[int]) -> str:
 def layout_lines(plan: Plan) -> list[str]:
     """Per node: each training rank with its TP / PP / DP coordinates, then the engines."""
     lay = plan.layout
+    engines = (f"{len(lay.engine_devices)} rollout engine(s) on node 0" if lay.engine_devices
+               else "rollout engine(s) unpinned on node 0's CPUs")
     lines = [f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
-             f"{len(lay.engine_devices)} rollout engine(s) on node 0 (started by global rank 0)"]
+             f"{engines} (global rank 0 starts them)"]
     for node in range(lay.nodes):
         ranks = [r for r in lay.ranks if r.node == node]
         lines.append(f"  node {node}: NPROC_PER_NODE={lay.ranks_per_node[node]}, training devices "
@@ -59,7 +61,8 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
              f"memory per training device (stage {w.stage} of pp {s.pp}, the largest):"]
     lines += [f"  {name:<12}{_gib(n)}   {why}" for name, n, why in rows]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(f"  {'total':<12}{_gib(w.total)}   of {_gib(d.usable_bytes).strip()} usable "
+    shared = f" × {plan.sharers} ranks sharing the machine's RAM" if plan.sharers > 1 else ""
+    lines.append(f"  {'total':<12}{_gib(w.total)}{shared}   of {_gib(d.usable_bytes).strip()} usable "
                  f"({d.usable_fraction:.0%} of {d.memory_bytes / GIB:.1f} GiB {d.name}): {verdict}")
     if s.pp > 1:
         lines.append("  per stage: " + ", ".join(f"{st.stage}: {st.total / GIB:.2f} GiB" for st in plan.stages))
