@@ -5,3 +5,7 @@ trimodel, algorithms, control, rollout, pipeline, rewards, data, trainer.
 """
 
 __version__ = "0.1.0"
+
+from megatron_rl.platform.quiet import silence_library_noise  # noqa: E402
+
+silence_library_noise()

@@ -143,6 +143,7 @@ def transformer_config_from_spec(
         gradient_accumulation_fusion=False,
         variable_seq_lengths=True,  # packed micro-batches differ in length (PP p2p sends shapes)
         moe_token_dispatcher_type="alltoall",  # dense model; 0.16 rejects variable lengths with the default
+        cuda_graph_scope=[],  # the default "full" is deprecated in 0.16 and warns on every config
     )
     valid = {f.name for f in dataclasses.fields(TransformerConfig)}
     for key, value in (overrides or {}).items():

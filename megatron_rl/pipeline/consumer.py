@@ -89,6 +89,7 @@ class BatchSummary:
     trained_groups: int
     trained_responses: int
     trained_response_tokens: int
+    trained_prompt_tokens: int  # each trained sample's prompt counted once per sample (not shared)
     reward_mean: float  # mean task reward over every sample of the step, dropped groups included
     wait_s: float  # time the consumer spent blocked on the queue during this step
     extra_metrics: dict[str, float] = field(default_factory=dict)  # e.g. data/..., reward/... counters
@@ -106,6 +107,7 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float,
         num_micro_batches=batch.num_micro_batches, overlapped_micro_batches=batch.overlapped_micro_batches,
         trained_groups=len(kept_groups), trained_responses=len(kept),
         trained_response_tokens=sum(len(s.response_ids) for s in kept),
+        trained_prompt_tokens=sum(len(s.prompt_ids) for s in kept),
         reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s,
         extra_metrics={**(extra_metrics or {}), "train/dp_imbalance": batch.router.imbalance()},
     )

@@ -148,6 +148,7 @@ class Producer:
         self._versions, self._schedule, self._sampling, self._scoring = versions, schedule, sampling, scoring
         self._out, self._seed, self._poll_s, self._record = out, seed, poll_s, record
         self._start_step, self._num_steps = start_step, num_steps
+        self._reward_s = 0.0  # seconds in reward_fn for the batch being generated
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="megatron_rl-producer", daemon=True)
@@ -194,7 +195,7 @@ class Producer:
         self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
         requests = [self._request(batch.step, it.record.prompt_id, it.token_ids, k)
                     for it in items for k in range(group_size)]
-        start = time.perf_counter()
+        start, self._reward_s = time.perf_counter(), 0.0
         for result in self._engine.generate(requests):
             if self._stop.is_set():
                 raise _Stopped
@@ -207,7 +208,8 @@ class Producer:
         self._controller.observe(lengths)
         self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
                            groups_produced=len(items), groups_dropped=batch.dropped, source_state=source_state,
-                           generation_s=generation_s, control_metrics=dict(self._controller.metrics()),
+                           generation_s=generation_s, reward_s=self._reward_s,
+                           control_metrics=dict(self._controller.metrics()),
                            controller_state=self._controller.state_dict()))
 
     def _new_batch(self, step: int, items: Sequence[PromptItem], group_size: int) -> _PendingBatch:
@@ -233,12 +235,15 @@ class Producer:
         p, k = batch.where.pop(result.request_id)
         self._schedule.check_sample(i, result.weight_version, result.request_id)
         record = batch.items[p].record
+        start = time.perf_counter()
+        reward = float(self._reward_fn(record, self._detokenize(result.response_ids)))
+        self._reward_s += time.perf_counter() - start
         batch.slots[p][k] = Sample(
             prompt_id=record.prompt_id, request_id=result.request_id, index=k,
             prompt_ids=tuple(batch.items[p].token_ids),
             response_ids=result.response_ids, behav_logprobs=result.logprobs, weight_version=result.weight_version,
             finish_reason=result.finish_reason,
-            reward=float(self._reward_fn(record, self._detokenize(result.response_ids))),
+            reward=reward,
         )
         if all(s is not None for s in batch.slots[p]):
             group = score_group(step=batch.step, prompt_index=p, samples=batch.slots[p], scoring=self._scoring)

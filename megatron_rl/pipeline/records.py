@@ -122,6 +122,7 @@ class BatchEnd:
     groups_dropped: int  # by dynamic sampling
     source_state: Mapping[str, Any] | None  # prompt source's state_dict() after drawing this batch
     generation_s: float = 0.0  # from the first request to the last result (generation + scoring)
+    reward_s: float = 0.0  # of which in the reward function (the producer thread scores as results arrive)
     # The group-size controller's view right after observing this batch (the producer owns the
     # controller: an observation is credited to the G that produced it, in every mode).
     control_metrics: Mapping[str, float] = field(default_factory=dict)

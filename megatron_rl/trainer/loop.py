@@ -11,10 +11,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_rl.config import Config, config_to_dict
 from megatron_rl.pipeline import BatchSummary, PipelineError
 from megatron_rl.trainer.checkpoint import RunState
-from megatron_rl.trainer.metrics import format_step, step_metrics
+from megatron_rl.trainer.metrics import count_devices, format_step, step_metrics
+from megatron_rl.trainer.progress import Progress
 from megatron_rl.trainer.rl_step import LeaderReplica, follow
 from megatron_rl.trainer.setup import EngineFactory, build_run
 from megatron_rl.trainer.stop import NonFiniteGuard
@@ -37,6 +40,9 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
         return []
     replica, pipeline, history = LeaderReplica(run.replica), run.pipeline, []
     nonfinite, checkpoints = NonFiniteGuard(cfg.trainer.max_nonfinite_steps), Checkpoints(cfg, replica)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    devices = count_devices(world, cfg.rollout.devices, cfg.rollout.num_engines)
+    progress = Progress(cfg, first_step=run.first_step)
     try:
         with pipeline:
             for step in range(run.first_step, cfg.trainer.steps):
@@ -49,10 +55,10 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
                 version = replica.sync_weights(batch.policy_version + 1)
                 summary = pipeline.complete(batch, version)
                 metrics = step_metrics(summary, *replica.pop_results(), step_s=time.perf_counter() - start,
-                                       memory=run.replica.trainer.trimodel.memory_report())
+                                       memory=run.replica.trainer.trimodel.memory_report(), devices=devices)
                 run.logger.log(step, metrics)
                 history.append(metrics)
-                print(format_step(step, metrics), flush=True)
+                progress.step(format_step(step, metrics), metrics)
                 nonfinite.check(step, metrics["train/nonfinite_steps"])
                 stop = replica.poll_stop()
                 checkpoints.after_step(summary, stopping=stop)
@@ -62,6 +68,7 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
         checkpoints.after_failure()  # the engines or the producer failed: keep what was trained
         raise
     finally:
+        progress.close()
         replica.stop_followers()
         run.cleanup()
     return history

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -56,13 +59,17 @@ class MetricsLogger:
 def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]:
     """What the rollout side of one step produced: rewards, lengths, staleness, timings, controller."""
     s, end = summary, summary.end
+    lengths = sorted(end.response_lengths) or [0]
     return {
         "rollout/reward_mean": s.reward_mean, "rollout/group_size": float(end.group_size),
         "rollout/groups_dropped": float(end.groups_dropped),
         "rollout/response_tokens": float(s.trained_response_tokens), "train/responses": float(s.trained_responses),
-        "rollout/mean_response_len": sum(end.response_lengths) / max(len(end.response_lengths), 1),
+        "train/prompt_tokens": float(s.trained_prompt_tokens),
+        "rollout/response_len_mean": sum(lengths) / len(lengths), "rollout/response_len_max": float(lengths[-1]),
+        "rollout/response_len_median": float(statistics.median(lengths)),
         "rollout/staleness_max": float(s.staleness.max), "rollout/staleness_mean": s.staleness.mean,
-        "time/step_s": step_s, "time/queue_wait_s": s.wait_s, "time/generation_s": end.generation_s,
+        "time/step_s": step_s, "time/queue_wait_s": s.wait_s,
+        "time/generation_s": end.generation_s, "time/reward_s": end.reward_s,
         "train/micro_batches": float(s.num_micro_batches),
         "train/overlapped_micro_batches": float(s.overlapped_micro_batches),
         "train/version": float(s.new_version),
@@ -72,16 +79,21 @@ def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]
 
 
 def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seconds: Mapping[str, float], *,
-                 step_s: float, memory: TriModelMemory) -> dict[str, float]:
-    """The flat metrics of one step: rollout, time per phase, loss, controller, memory."""
+                 step_s: float, memory: TriModelMemory, devices: int) -> dict[str, float]:
+    """The flat metrics of one step: rollout, time per phase, throughput, busy fractions, loss,
+    controller, memory. ``devices``: the run's devices (training ranks + engine devices)."""
     stepped = [r for r in results if not r.skipped]
     metrics = rollout_metrics(summary, step_s=step_s)
+    phases = {k: v for k, v in seconds.items() if k in TRAINER_PHASES}
+    metrics.update({f"time/{phase}_s": value for phase, value in phases.items()})
+    metrics.update(_throughput(metrics, phases, step_s=step_s, devices=devices))
+    metrics.update(_weight_sync(seconds))
     metrics.update({
-        **{f"time/{phase}_s": value for phase, value in seconds.items()},
         "loss/value": sum(r.loss for r in stepped) / max(len(stepped), 1),
         "loss/grad_norm": sum(r.grad_norm for r in stepped) / max(len(stepped), 1),
         "train/optimizer_steps": float(len(stepped)), "train/skipped_mini_batches": float(len(results) - len(stepped)),
         "train/nonfinite_steps": float(sum(r.nonfinite for r in results)),
+        "memory/peak_gb": peak_memory_gb(),
     })
     if stepped:
         metrics.update(stepped[-1].metrics)
@@ -89,8 +101,60 @@ def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seco
     return metrics
 
 
+# The trainer's phases (Replica.seconds); with the queue wait and idle they make up the step.
+TRAINER_PHASES = ("train", "optimizer", "weight_sync")
+
+
+def _throughput(metrics: Mapping[str, float], phases: Mapping[str, float], *, step_s: float,
+                devices: int) -> dict[str, float]:
+    """Tokens/s/device as MindSpeed-RL reports it ((prompt + response) tokens of the trained
+    samples / devices / step time), completion tokens/s, idle time and busy fractions."""
+    tokens = metrics["train/prompt_tokens"] + metrics["rollout/response_tokens"]
+    step = max(step_s, 1e-9)
+    busy = sum(phases.values())
+    return {
+        "throughput/tokens_per_s_per_device": tokens / max(devices, 1) / step,
+        "throughput/completion_tokens_per_s": metrics["rollout/response_tokens"] / step,
+        "time/idle_s": max(step_s - busy - metrics["time/queue_wait_s"], 0.0),
+        "busy/trainer": min(busy / step, 1.0),
+        # The producer generates for this step while the trainer trains on it (periodic) or on the
+        # previous step (stale), so this can exceed what fits inside the trainer's step time.
+        "busy/engines": min(metrics["time/generation_s"] / step, 1.0),
+    }
+
+
+def _weight_sync(seconds: Mapping[str, float]) -> dict[str, float]:
+    """Bytes handed to the engines in this step's weight sync and the rate of the transfer."""
+    nbytes, transfer = seconds.get("weight_sync_bytes", 0.0), seconds.get("weight_sync_transfer", 0.0)
+    if not nbytes:
+        return {}
+    return {"sync/bytes": nbytes, "sync/transfer_s": transfer,
+            "sync/gb_per_s": nbytes / 1e9 / max(seconds.get("weight_sync", transfer), 1e-9)}
+
+
+def peak_memory_gb() -> float:
+    """Peak memory of this process so far: device memory on CUDA / NPU, resident set on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 1e9
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return npu.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
+
+
+def count_devices(world_size: int, engine_devices: Sequence[str], num_engines: int) -> int:
+    """Devices of a run: one per training rank plus the engines' (``rollout.devices``: "cuda:0,1"
+    is two, "cpu:1" one core); an engine without a device string counts as one."""
+    from megatron_rl.rollout.settings import parse_device
+
+    named = sum(max(len(parse_device(d).ids), 1) for d in engine_devices)
+    return world_size + named + max(num_engines - len(engine_devices), 0)
+
+
 def format_step(step: int, metrics: Mapping[str, float]) -> str:
     """One console line per step."""
     loss = f" loss {metrics['loss/value']:.4f}" if "loss/value" in metrics else ""
+    rate = metrics.get("throughput/tokens_per_s_per_device")
+    rate = f" {rate:.1f} tok/s/dev" if rate is not None else ""
     return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{loss} "
-            f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s")
+            f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s{rate}")
