@@ -3,9 +3,10 @@
 Reference: one DP = 1, TP = 1 run of 3 steps (sync, 2 mini-batches). Every other run trains
 the same batches (one dispatcher on rank 0: same prompts, same seeded samples) split over the
 DP replicas by tokens, and must end with the same weights (≤ 1e-5): DP = 2 and TP = 2 × DP = 2
-in sync and periodic mode, a 2-node run (two torchrun invocations on localhost), and runs
+in sync and periodic mode (DP = 2 sync as a 2-node run: two torchrun invocations on
+localhost), and runs
 resumed from a step-2 checkpoint written at another layout (TP 2 × DP 2 -> TP 1 × DP 1 and
-back, and TP 1 × DP 2 with the distributed optimizer), which also needs the Adam state
+back, there with the distributed optimizer), which also needs the Adam state
 resharded exactly: the optimizer files written after step 3 must hold the reference's state.
 In periodic mode every behaviour log-prob the engine reported for batch t is checked against
 a transformers forward of θ_t (exactly on-policy at DP > 1).
@@ -13,6 +14,7 @@ a transformers forward of θ_t (exactly on-policy at DP > 1).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,8 +40,7 @@ def setup(tmp_path_factory):
     return tmp, str(config), reference
 
 
-LAYOUTS = {
-    "dp2_sync": (2, ["pipeline.mode=sync"]),
+LAYOUTS = {  # DP = 2 in sync mode: the two-node run
     "dp2_periodic": (2, ["pipeline.mode=periodic"]),
     "tp2_dp2_sync": (4, ["parallel.tp=2", "pipeline.mode=sync"]),
     "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic"]),
@@ -89,17 +90,22 @@ def test_data_parallel_run_equals_the_dp1_run(setup, layout_run, layout):
     tmp, _, (ref_dir, ref_hist, _) = setup
     out, history, results = layout_run(layout)
     assert_same_weights(tmp, ref_dir, out)
-    assert [h["train/optimizer_steps"] for h in history] == [2] * 3
-    assert [h["train/responses"] for h in history] == [h["train/responses"] for h in ref_hist]
-    for h in history:  # both replicas trained (2.0 would be everything on one)
-        assert 1.0 <= h["train/dp_imbalance"] < 2.0
+    assert_same_history(history, ref_hist)
     if "periodic" in layout:
         assert_engine_sampled_from_trained_weights(tmp, out, results)
 
 
-def test_two_node_run_equals_the_one_node_run(setup):
-    """Two torchrun invocations (--nnodes 2, one rank each, localhost) = one DP=2 world."""
-    tmp, config, (ref_dir, _, _) = setup
+def assert_same_history(history, ref_hist):
+    assert [h["train/optimizer_steps"] for h in history] == [2] * 3
+    assert [h["train/responses"] for h in history] == [h["train/responses"] for h in ref_hist]
+    for h in history:  # both replicas trained (2.0 would be everything on one)
+        assert 1.0 <= h["train/dp_imbalance"] < 2.0
+
+
+def test_two_node_dp2_sync_run_equals_the_one_node_run(setup):
+    """Two torchrun invocations (--nnodes 2, one rank each, localhost) make one DP = 2 world
+    (the sync-mode DP = 2 case) and end where the one-node run does."""
+    tmp, config, (ref_dir, ref_hist, _) = setup
     out, port = tmp / "two_nodes", _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
@@ -111,12 +117,14 @@ def test_two_node_run_equals_the_one_node_run(setup):
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     assert_same_weights(tmp, ref_dir, out)
+    lines = (tmp / "two_nodes_logs" / "metrics.jsonl").read_text().splitlines()
+    assert_same_history([json.loads(line) for line in lines], ref_hist)
 
 
 RESUMES = {  # saved by -> resumed at (world, overrides)
     "tp2_dp2_to_tp1_dp1": ("tp2_dp2_sync", 1, []),
-    "tp1_dp1_to_tp2_dp2": ("reference", 4, ["parallel.tp=2"]),
-    "tp1_dp1_to_dp2_distributed_optimizer": ("reference", 2, ["parallel.distributed_optimizer=true"]),
+    "tp1_dp1_to_tp2_dp2_distributed_optimizer": ("reference", 4, ["parallel.tp=2",
+                                                                   "parallel.distributed_optimizer=true"]),
 }
 
 
