@@ -164,7 +164,7 @@ class LeaderReplica:
         return self._call("sync_weights", version)
 
     def save_checkpoint(self, path: str | Path, state: RunState) -> Path:
-        """Write a resumable checkpoint at ``path`` (collective over the replica); see ``checkpoint``."""
+        """Write a resumable checkpoint at ``path`` (collective over the world); see ``checkpoint``."""
         shutil.rmtree(staging_dir(path), ignore_errors=True)
         self._call("save", str(path))
         return finalize(staging_dir(path), state)
