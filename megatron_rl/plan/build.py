@@ -55,6 +55,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
+        """The largest stage (times the ranks sharing the memory) is within the usable share."""
         return self.worst.total * self.sharers <= self.device.usable_bytes
 
 

@@ -26,6 +26,7 @@ class DeviceSpec:
 
     @property
     def usable_bytes(self) -> int:
+        """Bytes the plan lets one device's estimate reach."""
         return int(self.memory_bytes * self.usable_fraction)
 
 

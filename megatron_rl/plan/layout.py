@@ -51,6 +51,7 @@ class ClusterLayout:
 
     @property
     def world_size(self) -> int:
+        """Training ranks in all (the torch.distributed world)."""
         return len(self.ranks)
 
     def warnings(self) -> list[str]:

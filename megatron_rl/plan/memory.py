@@ -113,6 +113,7 @@ class MemorySettings:
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes per element of model.dtype."""
         return DTYPE_BYTES[self.dtype]
 
 
@@ -131,6 +132,7 @@ class StageMemory:
 
     @property
     def total(self) -> int:
+        """Everything the rank holds at the micro-step's peak."""
         return self.weights + self.grads + self.optimizer + self.activations + self.logprobs + self.transient
 
 
