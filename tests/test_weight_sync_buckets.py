@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listener, receive_tensors, send_tensors
-from megatron_rl.rollout.buckets import TensorSpec, Unpacker, pack, plan_buckets
+from megatron_rl.rollout.buckets import BufferRing, TensorSpec, Unpacker, pack, plan_buckets
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
@@ -70,7 +70,8 @@ def test_bad_bucket_size_names_the_key():
         plan_buckets([TensorSpec.of("w", torch.ones(2))], 0)
 
 
-def test_gloo_broadcast_in_buckets_round_trip():
+@pytest.mark.parametrize("reuse", [False, True])
+def test_gloo_broadcast_in_buckets_round_trip(reuse):
     named = _tensors()
     specs = [TensorSpec.of(n, t) for n, t in named]
     listener = open_listener("127.0.0.1")
@@ -79,12 +80,13 @@ def test_gloo_broadcast_in_buckets_round_trip():
 
     def receiver() -> None:
         group = make_group(address, 1)
-        received.update((n, t.clone()) for n, t in receive_tensors(group, specs, 100, torch.device("cpu")))
+        ring = BufferRing(2) if reuse else None  # each tensor is copied before the next is taken
+        received.update((n, t.clone()) for n, t in receive_tensors(group, specs, 100, torch.device("cpu"), ring))
 
     thread = threading.Thread(target=receiver)
     thread.start()
     group = make_group(address, 0, listener=listener)
-    sent = send_tensors(group, [t for _, t in named], 100)
+    sent = send_tensors(group, [t for _, t in named], 100, BufferRing(2) if reuse else None)
     thread.join(60)
     assert sent == sum(s.nbytes for s in specs)
     for name, t in named:

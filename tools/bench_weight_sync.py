@@ -43,7 +43,7 @@ SHAPES = {
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=".cache/models/smollm2-135m-instruct")
-    p.add_argument("--engines", default="hf,vllm", help="comma-separated; vllm is skipped when not installed")
+    p.add_argument("--engines", default="hf,vllm", help="comma-separated ('' for none); vllm is skipped if absent")
     p.add_argument("--syncs", type=int, default=4, help="syncs per path (the first is warm-up)")
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--big", default="7b", choices=[*SHAPES, "none"])
@@ -81,6 +81,8 @@ def _numel(shape) -> int:
 
 class SinkBackend:
     """A worker backend that only receives: every tensor is read once (a checksum) and dropped."""
+
+    streams_weights = True
 
     def __init__(self, spec) -> None:
         self.checksum = 0.0
@@ -194,7 +196,7 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # SinkBackend, importable by the worker
     result = {"bucket_mb": args.bucket_mb, "cores": len(os.sched_getaffinity(0)), "demo": {},
               "loadavg_start": os.getloadavg()[0]}
-    for engine in args.engines.split(","):
+    for engine in filter(None, args.engines.split(",")):
         if engine == "vllm" and importlib.util.find_spec("vllm") is None:
             result["demo"][engine] = "not installed"
             continue

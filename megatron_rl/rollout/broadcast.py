@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.buckets import TensorSpec, Unpacker, one_copy_thread, pack, plan_buckets
+from megatron_rl.rollout.buckets import BufferRing, TensorSpec, Unpacker, one_copy_thread, pack, plan_buckets
 
 __all__ = ["GROUP_BACKENDS", "GroupAddress", "TensorSpec", "make_group", "open_listener", "receive_tensors",
            "send_tensors"]
@@ -91,15 +91,17 @@ def _broadcast(group, tensor: torch.Tensor):
     return group.broadcast([tensor], opts)  # .wait() is bounded by the group's timeout (make_group)
 
 
-def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
+def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int, ring: BufferRing | None = None) -> int:
     """Rank 0: broadcast ``tensors`` (in the order of the specs the receivers were given) in
-    buckets of ``bucket_bytes``; the next bucket is packed while the last one is in flight.
+    buckets of ``bucket_bytes``, packed into the two buffers of ``ring`` (kept by the caller
+    between syncs, or new); the next bucket is packed while the last one is in flight.
     Returns the bytes sent."""
     specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+    ring = ring if ring is not None else BufferRing(2)
     in_flight, sent = None, 0
-    for bucket in plan_buckets(specs, bucket_bytes):
+    for k, bucket in enumerate(plan_buckets(specs, bucket_bytes)):
         with one_copy_thread():
-            buffer = pack(bucket, tensors)
+            buffer = pack(bucket, tensors, out=ring.get(k, bucket, tensors[bucket.pieces[0].index].device))
         if in_flight is not None:
             in_flight.wait()
         in_flight, sent = _broadcast(group, buffer), sent + bucket.nbytes
@@ -108,12 +110,23 @@ def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> i
     return sent
 
 
-def receive_tensors(group, specs: Sequence[TensorSpec], bucket_bytes: int,
-                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks > 0: yield ``(name, tensor)`` for every spec as its bucket arrives (a fresh buffer
-    per bucket: the yielded views stay valid after the next one arrives)."""
-    unpacker = Unpacker(specs)
-    for bucket in plan_buckets(specs, bucket_bytes):
-        buffer = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
-        _broadcast(group, buffer).wait()
+def receive_tensors(group, specs: Sequence[TensorSpec], bucket_bytes: int, device: torch.device,
+                    ring: BufferRing | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ranks > 0: yield ``(name, tensor)`` for every spec as its bucket arrives; the next
+    bucket is received while this one's tensors are consumed. Without ``ring`` every bucket
+    gets a fresh buffer (the yielded views stay valid to the end); with one (a consumer that
+    copies each tensor before asking for the next) two buffers are reused."""
+    unpacker, buckets = Unpacker(specs), plan_buckets(specs, bucket_bytes)
+
+    def post(k: int):
+        bucket = buckets[k]
+        buffer = ring.get(k, bucket, device) if ring is not None else torch.empty(
+            bucket.numel, dtype=bucket.torch_dtype, device=device)
+        return buffer, _broadcast(group, buffer)
+
+    pending = post(0) if buckets else None
+    for k, bucket in enumerate(buckets):
+        buffer, work = pending
+        work.wait()
+        pending = post(k + 1) if k + 1 < len(buckets) else None
         yield from unpacker.feed(bucket, buffer)

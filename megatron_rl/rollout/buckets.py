@@ -120,15 +120,32 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[Bucket]
     return buckets
 
 
-def pack(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bucket's flat buffer filled from ``tensors`` (in spec order). A bucket that is one
-    whole contiguous tensor is that tensor's own storage (no copy)."""
+class BufferRing:
+    """``slots`` flat buffers reused bucket after bucket (and sync after sync): a fresh
+    allocation of a large buffer costs page faults and zeroing on every use on CPU. Bucket k
+    goes to slot k % slots, so the previous bucket's buffer stays valid while this one fills."""
+
+    def __init__(self, slots: int = 2):
+        self._raw: list[torch.Tensor | None] = [None] * slots
+
+    def get(self, index: int, bucket: Bucket, device: torch.device) -> torch.Tensor:
+        slot = index % len(self._raw)
+        raw = self._raw[slot]
+        if raw is None or raw.numel() < bucket.nbytes or raw.device != device:
+            raw = self._raw[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        return raw[:bucket.nbytes].view(bucket.torch_dtype)
+
+
+def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's flat buffer (``out``, or a new one) filled from ``tensors`` (in spec order).
+    A bucket that is one whole contiguous tensor is that tensor's own storage (no copy)."""
     if len(bucket.pieces) == 1:
         (p,) = bucket.pieces
         t = tensors[p.index]
         if p.start == 0 and p.numel == t.numel() and t.is_contiguous():
             return t.reshape(-1)
-    buffer = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=tensors[bucket.pieces[0].index].device)
+    device = tensors[bucket.pieces[0].index].device
+    buffer = out if out is not None else torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
     for p in bucket.pieces:
         buffer[p.offset:p.offset + p.numel].copy_(tensors[p.index].reshape(-1)[p.start:p.start + p.numel])
     return buffer

@@ -23,6 +23,8 @@ from megatron_rl.rollout.worker import WorkerSpec
 class HFBackend:
     """``WorkerBackend`` over ``transformers.AutoModelForCausalLM``."""
 
+    streams_weights = True  # load_tensors copies each tensor in place before taking the next
+
     def __init__(self, spec: WorkerSpec):
         from transformers import AutoModelForCausalLM
 

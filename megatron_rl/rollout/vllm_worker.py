@@ -17,7 +17,9 @@ the installed package). Choices, all for vLLM 0.32:
   ``log_softmax(logits / T)``. (``raw_logprobs``, vLLM's default, ignores the temperature.)
 - Weight sync: ``collective_rpc("reload_weights", weights_path=snapshot_dir)`` reloads the
   safetensors in place, a tied ``lm_head`` is repacked (``refresh_tied_lm_head``), then
-  ``reset_prefix_cache()`` drops KV blocks computed with the old weights.
+  ``reset_prefix_cache()`` drops KV blocks computed with the old weights. Tensors from a
+  broadcast or shared memory go in as ``weights_iterator`` at TP = 1; at TP > 1 every TP rank
+  gets the full HF tensors through a shared-memory safetensors file (``load_tensors``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class VLLMBackend:
         if reserved:
             raise ValueError(f"rollout.vllm may not set {reserved}: the engine sets them itself")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self._device_kind = spec.device.kind
+        self._device_kind, self._tp = spec.device.kind, spec.tensor_parallel_size
         if spec.device.kind == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
             if spec.device.ids:  # vLLM binds its OpenMP threads itself: keep them on our cores
@@ -71,8 +73,25 @@ class VLLMBackend:
         return torch.device("cpu") if self._device_kind == "cpu" else torch.device(self._device_kind, 0)
 
     def load_tensors(self, named_tensors) -> None:
-        """Reload every weight from HF-named tensors (in-process engine: no serialisation)."""
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        """Reload every weight from HF-named full tensors. At tensor-parallel size 1 the engine is
+        this process: the tensors go straight to ``reload_weights``. Above it, each TP rank is a
+        process of vLLM's ``mp`` executor and RPC arguments are serialised (tensors would become
+        lists), so the tensors are written once to a safetensors file in shared memory and every
+        TP rank reloads from that path: each reads the full HF tensors (mapped, not copied) and
+        vLLM's weight loaders keep the rank's shard."""
+        if self._tp == 1:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        else:
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(prefix="megatron_rl-engine-", dir=base) as tmp:
+                tensors = {name: t.contiguous() for name, t in named_tensors}
+                save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+                del tensors
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         self._after_reload()
 
     def _after_reload(self) -> None:

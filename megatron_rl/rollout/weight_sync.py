@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listener, send_tensors
-from megatron_rl.rollout.buckets import MB, TensorSpec
+from megatron_rl.rollout.buckets import MB, BufferRing, TensorSpec
 from megatron_rl.rollout.dispatch import drain
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerHandle
 from megatron_rl.rollout.worker import Failed, JoinSyncGroup, Loaded, LoadShared, LoadWeights, ReceiveWeights
@@ -65,6 +65,7 @@ class WeightSync:
     def __init__(self, sup: Supervisor, *, group_backend: str, address: str, bucket_mb: int = 256):
         self._sup = sup
         self._bucket_bytes = bucket_mb * MB  # rollout.sync_bucket_mb
+        self._send_ring = BufferRing(2)  # two bucket buffers, kept between syncs
         self._peers: StagePeers | None = None  # the other PP stages' senders of the last push
         self._group_backend = group_backend  # gloo / nccl / hccl
         self._address = address  # the interface the group's listeners bind to
@@ -140,7 +141,7 @@ class WeightSync:
             if peers is not None:
                 peers.start_send(self._bucket_bytes)
             try:
-                send_tensors(group, tensors, self._bucket_bytes)
+                send_tensors(group, tensors, self._bucket_bytes, self._send_ring)
             finally:
                 peer_error = peers.finish_send() if peers is not None else None
             if peer_error is not None:

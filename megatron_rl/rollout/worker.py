@@ -69,7 +69,9 @@ class WorkerBackend(Protocol):
         ...
 
     def load_tensors(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Replace the weights in place with HF-named tensors (every parameter exactly once)."""
+        """Replace the weights in place with HF-named tensors (every parameter exactly once).
+        A backend whose class sets ``streams_weights = True`` copies each tensor before taking
+        the next (its receive buffers are then reused)."""
         ...
 
     @property
@@ -176,10 +178,12 @@ def _sync_command(backend: WorkerBackend, command, group_box: list, version: int
     """Join the broadcast groups, receive a weight version through them, or load one from
     shared memory; returns the version."""
     from megatron_rl.rollout.broadcast import make_group, receive_tensors
-    from megatron_rl.rollout.buckets import one_copy_thread
+    from megatron_rl.rollout.buckets import BufferRing, one_copy_thread
 
     if isinstance(command, JoinSyncGroup):
         group_box[:] = [make_group(address, command.rank) for address in command.addresses]
+        # Two receive buffers reused when the backend copies each tensor before taking the next.
+        group_box.append(BufferRing(2) if getattr(backend, "streams_weights", False) else None)
         return version
     if isinstance(command, LoadShared):
         from megatron_rl.rollout.shared_weights import read_shared
@@ -187,13 +191,14 @@ def _sync_command(backend: WorkerBackend, command, group_box: list, version: int
         with one_copy_thread():
             backend.load_tensors(item for layout in command.layouts for item in read_shared(layout))
         return command.version
-    if len(group_box) != len(command.sources):
-        raise RuntimeError(f"ReceiveWeights from {len(command.sources)} senders, but {len(group_box)} groups joined")
+    *groups, ring = group_box or [None]
+    if len(groups) != len(command.sources):
+        raise RuntimeError(f"ReceiveWeights from {len(command.sources)} senders, but {len(groups)} groups joined")
     device = backend.device
     with one_copy_thread():
         backend.load_tensors(
-            item for group, specs in zip(group_box, command.sources, strict=True)
-            for item in receive_tensors(group, specs, command.bucket_bytes, device)
+            item for group, specs in zip(groups, command.sources, strict=True)
+            for item in receive_tensors(group, specs, command.bucket_bytes, device, ring)
         )
     return command.version
 
@@ -201,7 +206,7 @@ def _sync_command(backend: WorkerBackend, command, group_box: list, version: int
 def _serve(backend: WorkerBackend, conn, version: int) -> None:
     from megatron_rl.rollout.buckets import one_copy_thread
 
-    group_box: list = []  # the broadcast sync group, once joined
+    group_box: list = []  # the broadcast sync groups, once joined, then the receive BufferRing
     while True:
         try:
             command = conn.recv()

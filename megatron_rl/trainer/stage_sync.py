@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_rl.models import export_hf_tensors
 from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listener, send_tensors
-from megatron_rl.rollout.buckets import TensorSpec
+from megatron_rl.rollout.buckets import BufferRing, TensorSpec
 from megatron_rl.rollout.shared_weights import SharedWeightsWriter
 
 
@@ -60,6 +60,7 @@ class StageSender:
 
     def __init__(self) -> None:
         self.group = None
+        self.ring = BufferRing(2)  # send buffers, kept between syncs
         self.error: str | None = None  # why the group is unusable (reported at the next send)
 
     def serve(self, channel, stage: int, tensors: Sequence[torch.Tensor] | None) -> None:
@@ -95,7 +96,7 @@ class StageSender:
         if self.group is None:
             return self.error or "no sync group joined"
         try:
-            send_tensors(self.group, tensors, bucket_bytes)
+            send_tensors(self.group, tensors, bucket_bytes, self.ring)
         except RuntimeError as err:  # the leader sees a worker death and repeats the push
             self.group = None
             return f"sending failed: {err}"
