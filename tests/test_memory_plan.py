@@ -9,7 +9,8 @@ state (moments and fp32 master copies), and every tensor autograd saves for the 
 resident memory of the micro-step: the kernel's high-water mark (``VmHWM``, reset through
 ``/proc/self/clear_refs``) over the resident size before it, with glibc told to serve every
 allocation above 64 KiB by mmap (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the RSS.
-That peak is compared with the plan's activations + log-probs + transient.
+That peak is compared with the plan's activations + log-probs + transient. A 32k-vocabulary
+model checks the log-prob buffers (one pass, and checkpointed chunks) where they dominate.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
-def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int) -> dict[str, int]:
+def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int, chunk: int = 4096) -> dict[str, int]:
     from megatron.core import parallel_state
 
     from megatron_rl.algorithms import LossSettings
@@ -47,7 +48,8 @@ def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int)
 
     initialize_parallel(tp=tp, pp=pp, platform="cpu")
     settings = TrainerSettings(hf_path=path, model=ModelConfig(hf_path=path, dtype=dtype, megatron=megatron),
-                               trainer=TrainerConfig(steps=1), attention=AttentionConfig(backend="split"),
+                               trainer=TrainerConfig(steps=1, logprob_chunk_tokens=chunk),
+                               attention=AttentionConfig(backend="split"),
                                loss=LossSettings(kl_coef=kl))
     trainer, policy, _ = build_policy_trainer(settings)
     tri = trainer.trimodel
@@ -84,15 +86,13 @@ def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int)
             "stage": parallel_state.get_pipeline_model_parallel_rank()}
 
 
-def _plan(path, dtype: str, kl: float, recompute: str, tp: int, pp: int):
-    from megatron_rl.config.schema import TrainerConfig
+def _plan(path, dtype: str, kl: float, recompute: str, tp: int, pp: int, chunk: int = 4096):
     from megatron_rl.models.hf_config import decoder_spec_from_hf, read_hf_config
     from megatron_rl.plan.memory import MemorySettings, MicroBatchShape, ModelDims, estimate_memory
 
     dims = ModelDims.from_spec(decoder_spec_from_hf(read_hf_config(path)))
     shape = MicroBatchShape(tokens=PROMPT + K * RESPONSE, prompt_len=PROMPT, response_len=RESPONSE, responses=K,
                             parts=1)
-    chunk = getattr(TrainerConfig(steps=1), "logprob_chunk_tokens", None)  # the trainer's default, as built
     settings = MemorySettings(tp=tp, pp=pp, dp=1, dtype=dtype, copies=2 if kl else 1, distributed_optimizer=False,
                               attention_backend="split", recompute=recompute, micro_batch=shape,
                               logprob_chunk_tokens=chunk)
@@ -133,3 +133,26 @@ def _compare(plan, measured: dict[str, int], case: str) -> None:
     print(case, f"stage {plan.stage}", report)  # planned, measured, ratio
     for key, (planned, got, ratio) in report.items():
         assert 0.8 <= ratio <= 1.2, f"{key}: planned {planned} vs measured {got} (ratio {ratio})"
+
+
+def _large_vocab_model(path: Path) -> Path:
+    """A 2-layer Qwen2 with a 32k vocabulary: its log-prob buffers outweigh the activations."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, rope_theta=10000.0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("chunk", [4096, 256])  # N = 1024 rows: one chunk, or 4 checkpointed chunks
+def test_logprob_buffers_within_20_percent_of_measured(chunk, tmp_path, monkeypatch):
+    if not CLEAR_REFS.exists():
+        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    path = _large_vocab_model(tmp_path / "qwen2-32k")
+    (stage,) = _plan(path, "bfloat16", 0.0, "none", 1, 1, chunk)
+    (measured,) = run_distributed(_measure, 1, str(path), "bfloat16", 0.0, {}, 1, 1, chunk)
+    _compare(stage, measured, f"qwen2 32k vocab bf16 chunk {chunk}")

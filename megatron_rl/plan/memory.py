@@ -21,11 +21,11 @@ reports the largest. Nothing here allocates a tensor: it is arithmetic over `Mod
   (`trimodel/logprobs.py`: the head runs on the N scored positions only, c rows at a time,
   checkpointed when N > c) only the [N, h] head inputs stay, and one chunk is rebuilt in the
   backward;
-- transient: the largest short-lived working set on top of the above: the [T, V/t] logits
-  plus two fp32 [N, V/t] copies while log-probs are reduced, or a layer's backward working
-  set (gradients of the SwiGLU intermediates, 3·T·f/t·b, and of the fp32 norm upcasts,
-  8·T·h) on top of what recompute rebuilds (a whole layer for ``full``, the core attention
-  for ``selective``).
+- transient: the largest short-lived working set on top of the above: logits and their fp32
+  copies while log-probs are reduced (measured: [rows, V/t] × (b + 4) bytes for one pass,
+  × (b + 8) per checkpointed chunk), or a layer's backward working set (gradients of the
+  SwiGLU intermediates, 3·T·f/t·b, and of the fp32 norm upcasts, 8·T·h) on top of what
+  recompute rebuilds (a whole layer for ``full``, the core attention for ``selective``).
 
 Per-layer saved bytes were read off megatron-core 0.16's local spec with a saved-tensors hook
 (`tests/test_memory_plan.py` checks the sum against such a measurement within ±20 %). b =
@@ -231,10 +231,11 @@ def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     small = n * 17 + vocab  # targets, masks
     if chunk is None:  # logits of all T positions, then the N rows reduced at once
         return n * per_row + small, s.micro_batch.tokens * vocab * b + 2 * n * vocab * 4
-    rows = min(n, chunk)
-    saved = n * dims.hidden * b + small + (n * per_row if n <= chunk else 0)  # head inputs (+ one chunk's softmax)
-    transient = rows * vocab * (b + 8) + (rows * per_row if n > chunk else 0)  # a chunk's logits, fp32 copies
-    return saved, transient
+    if n <= chunk:  # one pass: its fp32 softmax stays for the backward; logits + one fp32 copy pass through
+        return n * dims.hidden * b + small + n * per_row, n * vocab * (b + 4)
+    # checkpointed chunks: only the head inputs stay; a chunk's logits and two fp32 copies live at once
+    # (in the forward, and again when the backward rebuilds that chunk)
+    return n * dims.hidden * b + small, chunk * vocab * (b + 8)
 
 
 def optimizer_bytes_per_param(s: MemorySettings) -> float:
