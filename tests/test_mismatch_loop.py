@@ -54,6 +54,8 @@ def _train(config_path: str, overrides: list[str], behind: bool):
     from megatron_rl.trainer.loop import train
 
     try:
+        if behind:  # the wrapper replays snapshots one version late
+            overrides = [*overrides, "rollout.weight_sync=snapshot"]
         history = train(load_config(config_path, overrides), platform="cpu",
                         engine_factory=_behind_factory if behind else None)
     except MismatchAlarmError as e:

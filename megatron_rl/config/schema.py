@@ -160,9 +160,10 @@ class RolloutConfig:
     # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
     dtype: DType | None = None
     max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
-    # HF snapshot reload; a gloo/NCCL/HCCL broadcast in flat buckets; or (engines on the trainer's
-    # machine) shared memory: each PP stage writes a /dev/shm file the engines copy from.
-    weight_sync: WeightSync = "snapshot"
+    # shared_memory (engines on the trainer's machine): each PP stage writes a /dev/shm file the
+    # engines copy from (fastest: 0.2 s for 0.54 GB); broadcast: gloo/NCCL/HCCL in flat buckets
+    # (engines on other machines); snapshot: a HF safetensors snapshot the engines reload.
+    weight_sync: WeightSync = "shared_memory"
     sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
     sync_bucket_mb: int = 256  # broadcast sync: tensors travel packed in flat buckets of this many MiB
     # A worker with work in flight that sends nothing for this long is hung: killed, restarted,
