@@ -9,7 +9,8 @@ fallback), weight sync from the trainer, version bookkeeping, supervision of wor
 
 Modules: `pool` (WorkerPool, the engine), `dispatch` (one generate call: chunks, exactly-once
 results), `supervision` (processes: death, hang by rollout.request_timeout_s, restarts),
-`weight_sync` + `broadcast` (snapshot reloads, the broadcast group), `worker` (the worker
+`weight_sync` + `broadcast` + `buckets` + `shared_weights` (snapshot reloads, the broadcast
+groups and their flat buckets, shared-memory weight files), `worker` (the worker
 process and its messages), `hf_worker` / `vllm_worker` (backends), `faults` (seeded fault
 injection for chaos runs), `settings`, `types`, `sampling`.
 """

@@ -30,6 +30,9 @@ def one_copy_thread() -> Iterator[None]:
     ~1 CPU-s with two OpenMP threads (they spin while waiting for each other). A copy is
     bound by memory bandwidth, which one thread already saturates."""
     threads = torch.get_num_threads()
+    if threads == 1:  # e.g. a vLLM CPU worker, which refuses set_num_threads (with a warning)
+        yield
+        return
     torch.set_num_threads(1)
     try:
         yield

@@ -7,13 +7,14 @@
   a failure; more than ``max_restarts`` failures in one call raise ``RolloutWorkerError``.
 - ``dispatch``: one ``generate`` call: chunks, results, every request answered exactly once
   (a failed worker's unanswered requests are re-issued).
-- ``weight_sync``: snapshot reloads and the broadcast group.
+- ``weight_sync``: snapshot reloads, shared-memory loads and the broadcast groups.
 
 Contract:
 - ``generate`` yields one result per request, in completion order; a Python exception
   inside a worker is raised here as ``RolloutWorkerError`` naming the worker and requests.
-- ``update_weights`` / ``update_weights_from_tensors`` return once every worker runs the new
-  version; results always carry the version they were sampled with.
+- ``update_weights`` / ``update_weights_from_tensors`` / ``update_weights_from_shared`` return
+  once every worker runs the new version; results always carry the version they were sampled
+  with.
 - ``generate`` and the updates may come from different threads (stale mode: the producer
   generates batch t+1 while the trainer syncs version t+1): an update waits for the
   generate call in progress (a lock), so every batch runs on one version. That lock has no

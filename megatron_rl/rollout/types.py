@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -76,6 +76,12 @@ class RolloutEngine(Protocol):
         this process) and load them as ``version``; return once all run it. At PP > 1 the
         trainer passes ``peers=`` (``weight_sync.StagePeers``: the other stages' senders);
         an engine that takes no ``peers`` supports PP = 1 only."""
+        ...
+
+    def update_weights_from_shared(self, layouts: Sequence[Any], version: int) -> None:
+        """Load the tensors each PP stage's sender wrote to shared memory (``SharedLayout`` per
+        stage, ``rollout.shared_weights``) into every worker as ``version``; return once all
+        run it. Only for engines on the trainer's machine (``rollout.weight_sync=shared_memory``)."""
         ...
 
     @property
