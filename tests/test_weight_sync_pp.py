@@ -39,6 +39,7 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
     shared files again), snapshot (v4), broadcast again (v5: the groups are reused)."""
     import os
     import signal
+    import time
 
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
@@ -67,6 +68,13 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
                 os.kill(engine.status()[0].pid, signal.SIGKILL)
                 out["restarted"] = _greedy(engine, "r")
                 assert engine.status()[0].restarts == 1
+        if engine is not None:  # after a PP = 2 broadcast a restart between syncs is refused, clearly
+            os.kill(engine.status()[1].pid, signal.SIGKILL)
+            time.sleep(1)  # dead before the call: it is restarted first (3 requests fit worker 0 alone)
+            try:
+                _greedy(engine, "x")
+            except RuntimeError as err:
+                out["restart_after_broadcast"] = str(err)
         return out
     finally:
         if engine is not None:
@@ -99,6 +107,12 @@ def test_worker_restarted_after_shared_memory_sync_gets_the_weights(synced):
     leader, _, _ = synced
     assert _same(leader["restarted"], leader[3][0])
     assert [r[2] for r in leader["restarted"]] == [3] * 3
+
+
+def test_worker_restarted_after_a_pp2_broadcast_is_an_error_naming_the_fix(synced):
+    leader, _, _ = synced
+    message = leader.get("restart_after_broadcast", "no error")
+    assert "rollout.weight_sync=broadcast" in message and "use 'snapshot'" in message
 
 
 def test_every_sync_reports_bytes_and_seconds(synced):
