@@ -91,3 +91,23 @@ def test_rollout_only_generates_scores_and_records_without_training(setup):
     assert sum(type(i).__name__ == "ScoredGroup" for i in items) == 6
     rows = [json.loads(line) for line in (tmp / "rollout_only_logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/version"] for r in rows] == [1.0, 2.0] and all("loss/value" not in r for r in rows)
+
+
+def test_k_copies_layout_makes_the_same_update(setup):
+    """attention.shared_prompt=false (every response after its own prompt copy, plain causal
+    attention per sample: the independent layout) trains the same weights as shared-prompt packing."""
+    tmp, config = setup
+    rec = tmp / "live.jsonl"
+    if not rec.exists():
+        run_distributed(_train, 1, config, [f"rollout.record={rec}"], timeout_s=600)
+    runs = {}
+    for shared in ("true", "false"):
+        out = tmp / f"shared_{shared}"
+        (history,) = run_distributed(_train, 1, config, [f"trainer.save_dir={out}", f"attention.shared_prompt={shared}"],
+                                     str(rec), timeout_s=600)
+        runs[shared] = load_weights(out / "step_3" / "model"), history
+    (a, _), (b, _) = runs["true"], runs["false"]
+    initial = load_weights(tmp / "model")
+    assert max((a[k] - initial[k]).abs().max().item() for k in a) > 1e-3
+    for key, value in a.items():
+        assert ((b[key] - value).abs().max() / value.abs().max()).item() <= 1e-5, key

@@ -36,7 +36,8 @@ def run_rollout_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     d = cfg.data
     prompts, _ = load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
                               chat_template=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options)
+                              size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options,
+                              instruction=d.instruction)
     stream = PromptStream(prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
     sampling, reward = from_config.sampling_settings(cfg, tokenizer), from_config.reward_fn(cfg)
     settings = from_config.engine_settings(cfg)

@@ -54,6 +54,9 @@ class AttentionConfig:
     """Shared-prompt attention: how a group [prompt, r_1, …, r_K] is laid out and computed."""
 
     backend: AttentionBackend = "auto"  # auto picks by device; npu needs torch_npu (checked at run)
+    # false: pack every response after its own copy of the prompt (the K-copies layout), the
+    # baseline shared-prompt packing is measured against; same update, more tokens per micro-batch.
+    shared_prompt: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +228,8 @@ class DataConfig:
     seed: int = 0  # dataset generation / shuffling seed
     max_prompt_tokens: int = 512  # longer prompts are dropped (counted, never truncated)
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+    # Appended (after a blank line) to each prompt's last user turn; null = the prompt as it is.
+    instruction: str | None = "Please reason step by step, and put your final answer within \\boxed{}."
     # reasoning_gym sources only: keyword arguments of its dataset config, e.g. {min_terms: 2,
     # max_terms: 2, max_digits: 1} for basic_arithmetic
     options: dict[str, Any] = field(default_factory=dict)

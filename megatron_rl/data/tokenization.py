@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.records import ChatMessage, PromptRecord, TokenizedPrompt
 
 logger = logging.getLogger(__name__)
 
-ANSWER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+ANSWER_INSTRUCTION = DataConfig.instruction  # data.instruction's default
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import hashlib
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -176,6 +176,14 @@ def to_token_group(group: ScoredGroup) -> TokenGroup:
         prompt_ids=torch.tensor(group.samples[0].prompt_ids, dtype=torch.int64),
         response_ids=tuple(torch.tensor(s.response_ids, dtype=torch.int64) for s in group.samples),
     )
+
+
+def unshare_prompts(mb: MicroBatch) -> MicroBatch:
+    """``mb`` in the K-copies layout: every response packed after its own copy of the prompt
+    (no shared-prompt attention). Response order, and so every per-token field, is unchanged;
+    only ``packed`` grows (a baseline for ``attention.shared_prompt: false``)."""
+    singles = [_group_part(g, [k]) for g in mb.groups for k in range(len(g.samples))]
+    return replace(mb, packed=concat_groups([pack_group(to_token_group(g)) for g in singles]))
 
 
 def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini_batch: int = 0,

@@ -49,5 +49,6 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
     trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
                         temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0,
                         logprob_chunk_tokens=t.logprob_chunk_tokens)
-    trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss)
+    trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss,
+                            shared_prompt=settings.attention.shared_prompt)
     return trainer, policy, spec

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
 from megatron_rl.attention.packing import unpack_logprobs_padded
-from megatron_rl.pipeline.records import MicroBatch
+from megatron_rl.pipeline.records import MicroBatch, unshare_prompts
 from megatron_rl.trimodel import TriLogprobs, TriModel
 
 
@@ -41,8 +41,9 @@ class MiniBatchResult:
 class PolicyTrainer:
     """Tri-model micro-steps with deferred normalisation, then megatron's optimizer step."""
 
-    def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings) -> None:
+    def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings, shared_prompt: bool = True) -> None:
         self.trimodel, self.ddp, self.optimizer, self.loss = trimodel, ddp, optimizer, loss
+        self.shared_prompt = shared_prompt  # attention.shared_prompt: false packs K prompt copies
         self._reset()
 
     def _reset(self) -> None:
@@ -58,6 +59,8 @@ class PolicyTrainer:
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
         """Forward + backward of one packed micro-batch; gradients accumulate until the step."""
+        if not self.shared_prompt:
+            mb = unshare_prompts(mb)
         self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb), finalize_grads=False)
 
     def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch):

@@ -118,7 +118,8 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     d = cfg.data
     prompts, report = load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
                                    chat_template=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                   size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options)
+                                   size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options,
+                                   instruction=d.instruction)
     print(report.summary(), flush=True)
     stream = PromptStream(prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
     if resume and resume.prompt_stream:
