@@ -37,6 +37,7 @@ import torch
 SHAPES = {
     "7b": (3584, 18944, 28, 28, 4, 152064, False),  # Qwen2.5-7B
     "3b": (2048, 11008, 36, 16, 2, 151936, True),  # Qwen2.5-3B
+    "tiny": (64, 128, 2, 2, 1, 300, False),  # for the tool's own test
 }
 
 
@@ -128,7 +129,8 @@ def time_syncs(engine, tensors, sync: str, syncs: int, root: Path) -> list[tuple
     from megatron_rl.rollout.shared_weights import SharedWeightsWriter
 
     writer, out = SharedWeightsWriter(root / "weights.bin"), []
-    for version in range(1, syncs + 1):
+    first = engine.weight_version + 1  # one engine serves every path: versions continue
+    for version in range(first, first + syncs):
         for _, t in tensors[:4]:
             t.add_(1e-3)  # new weights every version (a few tensors suffice: the path moves all)
         pids = [s.pid for s in engine.status()]
@@ -154,13 +156,14 @@ def bench_demo(args, engine_name: str) -> dict:
     tensors = sorted(load_file(str(Path(args.model) / "model.safetensors")).items())
     gb = sum(t.nbytes for _, t in tensors) / 1e9
     out = {}
-    for sync in ("snapshot", "broadcast", "shared_memory"):
-        engine = build_engine(_settings(engine_name, args.model, sync, args.bucket_mb))
-        try:
-            with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
-                timings = time_syncs(engine, tensors, sync, args.syncs, Path(root))
-        finally:
-            engine.shutdown()
+    engine = build_engine(_settings(engine_name, args.model, "broadcast", args.bucket_mb))  # a pool does all three
+    try:
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
+            timings_of = {sync: time_syncs(engine, tensors, sync, args.syncs, Path(root))
+                          for sync in ("snapshot", "broadcast", "shared_memory")}
+    finally:
+        engine.shutdown()
+    for sync, timings in timings_of.items():
         s, cpu = statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)
         out[sync] = {"s": round(s, 4), "gb_per_s": round(gb / s, 3), "cpu_s": round(cpu, 4), "gb": round(gb, 3),
                      "best_s": round(min(t[0] for t in timings), 4)}
@@ -187,7 +190,8 @@ def bench_big(args) -> dict:
     finally:
         pool.shutdown()
     s = min(seconds)
-    return {"shape": f"qwen2.5-{args.big}", "dtype": "bfloat16", "gb": round(gb, 2), "s": round(s, 3),
+    shape = args.big if args.big == "tiny" else f"qwen2.5-{args.big}"
+    return {"shape": shape, "dtype": "bfloat16", "gb": round(gb, 2), "s": round(s, 3),
             "gb_per_s": round(gb / s, 3), "all_s": [round(x, 3) for x in seconds]}
 
 
