@@ -52,6 +52,8 @@ def test_phases_make_up_the_step_and_give_the_throughput(run):
         assert m["throughput/tokens_per_s_per_device"] == pytest.approx(tokens / 2 / step)  # 1 rank + 1 engine
         assert m["throughput/completion_tokens_per_s"] == pytest.approx(m["rollout/response_tokens"] / step)
         assert 0 < m["busy/trainer"] <= 1 and 0 <= m["busy/engines"] <= 1
+        # sync mode: the engine generated (and loaded weights) inside this step, never idle all of it
+        assert 0 < m["busy/engine_0"] <= 1
         assert m["memory/peak_gb"] > 0.05  # a python process with torch and a model
         assert not any(k.startswith("control/control/") for k in m)
 

@@ -67,6 +67,10 @@ class WorkerPool:
         """The version every worker currently runs (0: the weights at ``model_path``)."""
         return self._sup.version
 
+    def busy_seconds(self) -> tuple[float, ...]:
+        """Per engine (worker), in index order: seconds it has had work since it started."""
+        return tuple(w.busy_seconds() for w in self._sup.workers)
+
     def status(self) -> tuple[WorkerStatus, ...]:
         """One ``WorkerStatus`` per worker, in index order."""
         return tuple(w.status() for w in self._sup.workers)

@@ -90,7 +90,9 @@ class WorkerHandle:
     process: mp.process.BaseProcess | None = None
     conn: object = None
     sender: _Sender | None = None
-    outstanding: int = 0  # commands sent and not yet answered (Done / Loaded / Failed)
+    _outstanding: int = 0  # commands sent and not yet answered (Done / Loaded / Failed): ``outstanding``
+    _busy_since: float | None = None  # time.monotonic() when it last went from idle to busy
+    _busy_s: float = 0.0  # seconds with commands outstanding, over finished busy spans
     chunks: deque = field(default_factory=deque)  # request ids of each outstanding Generate, in order
     in_flight: dict[str, GenerationRequest] = field(default_factory=dict)
     last_heard: float = 0.0  # time.monotonic() of its last message (or of work given while idle)
@@ -102,6 +104,24 @@ class WorkerHandle:
     @property
     def busy(self) -> bool:
         return self.outstanding > 0
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    @outstanding.setter
+    def outstanding(self, n: int) -> None:
+        now = time.monotonic()
+        if self._outstanding == 0 and n > 0:
+            self._busy_since = now
+        elif self._outstanding > 0 and n == 0 and self._busy_since is not None:
+            self._busy_s, self._busy_since = self._busy_s + now - self._busy_since, None
+        self._outstanding = n
+
+    def busy_seconds(self) -> float:
+        """Seconds this worker has had work (generation, weight loads) since the pool started."""
+        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_s + running
 
     def reset(self) -> None:
         """Forget every outstanding command (the process died or was drained)."""

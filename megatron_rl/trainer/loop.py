@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_rl.config import Config, config_to_dict
 from megatron_rl.pipeline import BatchSummary, PipelineError
 from megatron_rl.trainer.checkpoint import RunState
-from megatron_rl.trainer.metrics import count_devices, format_step, step_metrics
+from megatron_rl.trainer.metrics import EngineBusy, count_devices, format_step, step_metrics
 from megatron_rl.trainer.progress import Progress
 from megatron_rl.trainer.rl_step import LeaderReplica, follow
 from megatron_rl.trainer.setup import EngineFactory, build_run
@@ -42,7 +42,7 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
     nonfinite, checkpoints = NonFiniteGuard(cfg.trainer.max_nonfinite_steps), Checkpoints(cfg, replica)
     world = dist.get_world_size() if dist.is_initialized() else 1
     devices = count_devices(world, cfg.rollout.devices, cfg.rollout.num_engines)
-    progress = Progress(cfg, first_step=run.first_step)
+    progress, engine_busy = Progress(cfg, first_step=run.first_step), EngineBusy(run.replica.engine)
     try:
         with pipeline:
             for step in range(run.first_step, cfg.trainer.steps):
@@ -56,6 +56,7 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
                 summary = pipeline.complete(batch, version)
                 metrics = step_metrics(summary, *replica.pop_results(), step_s=time.perf_counter() - start,
                                        memory=run.replica.trainer.trimodel.memory_report(), devices=devices)
+                metrics.update(engine_busy.step(metrics["time/step_s"]))
                 run.logger.log(step, metrics)
                 history.append(metrics)
                 progress.step(format_step(step, metrics), metrics)

@@ -142,6 +142,26 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
 
 
+class EngineBusy:
+    """``busy/engine_<i>``: the share of each step's wall time engine i had work (generation or
+    weight loads), from the pool's per-worker busy clocks; nothing for engines without them."""
+
+    def __init__(self, engine: object) -> None:
+        self._clock = getattr(engine, "busy_seconds", None)
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, ...]:
+        return tuple(self._clock()) if callable(self._clock) else ()  # replay / fake engines: none
+
+    def step(self, step_s: float) -> dict[str, float]:
+        """Busy fractions since the previous call (or construction)."""
+        now = self._read()
+        out = {f"busy/engine_{i}": min(max(b - a, 0.0) / max(step_s, 1e-9), 1.0)
+               for i, (a, b) in enumerate(zip(self._last, now, strict=False))}
+        self._last = now
+        return out
+
+
 def count_devices(world_size: int, engine_devices: Sequence[str], num_engines: int) -> int:
     """Devices of a run: one per training rank plus the engines' (``rollout.devices``: "cuda:0,1"
     is two, "cpu:1" one core); an engine without a device string counts as one."""
