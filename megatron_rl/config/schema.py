@@ -162,7 +162,9 @@ class RolloutConfig:
     # Engine weights and compute dtype; None = model.dtype. A bf16 engine with an fp32 trainer
     # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
     dtype: DType | None = None
-    max_batch_size: int = 16  # requests a worker decodes at once (G: groups complete one by one)
+    # Requests a worker decodes at once (vLLM's max_num_seqs). Every request of a step should fit:
+    # one continuous batch, and groups still complete one by one as their last member finishes.
+    max_batch_size: int = 256
     # shared_memory (engines on the trainer's machine): each PP stage writes a /dev/shm file the
     # engines copy from (fastest: 0.2 s for 0.54 GB); broadcast: gloo/NCCL/HCCL in flat buckets
     # (engines on other machines); snapshot: a HF safetensors snapshot the engines reload.

@@ -55,6 +55,10 @@ class VLLMBackend:
             "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
             "max_num_seqs": spec.max_batch_size,
             "generation_config": "vllm",
+            # vLLM 0.32 on CPU: a prompt split over two scheduler steps (chunked prefill, when a step's
+            # prompts exceed max_num_batched_tokens) rewinds its seeded torch.Generator with
+            # set_offset, which CPU generators refuse ("CPU Generator does not use offset").
+            **({"enable_chunked_prefill": False} if spec.device.kind == "cpu" else {}),
         } | dict(spec.backend_kwargs)
         self._llm = LLM(
             model=spec.model_path, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
