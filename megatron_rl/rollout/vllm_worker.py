@@ -43,6 +43,10 @@ class VLLMBackend:
         if reserved:
             raise ValueError(f"rollout.vllm may not set {reserved}: the engine sets them itself")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM logs every engine start / reload at INFO and warns about what we do on purpose (no
+        # tokenizer in the engine, so its chat-template warm-up fails; fp32 weights cast into a bf16
+        # engine): errors only, unless the user set VLLM_LOGGING_LEVEL (rollout.worker_env or env).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         self._device_kind, self._tp = spec.device.kind, spec.tensor_parallel_size
         if spec.device.kind == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
