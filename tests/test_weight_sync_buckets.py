@@ -1,16 +1,19 @@
 """Flat-bucket packing for weight sync (``rollout.buckets``): every tensor comes back bit-exact
 across dtypes, bucket boundaries and tensors larger than a bucket, in-process and through a
-real gloo broadcast group."""
+real gloo broadcast group; the shared-memory files (``rollout.shared_weights``) likewise, and a
+version's file survives the next write."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listener, receive_tensors, send_tensors
 from megatron_rl.rollout.buckets import BufferRing, TensorSpec, Unpacker, pack, plan_buckets
+from megatron_rl.rollout.shared_weights import SharedWeightsWriter, read_shared
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
@@ -91,3 +94,24 @@ def test_gloo_broadcast_in_buckets_round_trip(reuse):
     assert sent == sum(s.nbytes for s in specs)
     for name, t in named:
         assert torch.equal(received[name], t), name
+
+
+def test_shared_memory_round_trip_keeps_the_previous_version(tmp_path):
+    named = [(n, t) for n, t in _tensors() if t.is_contiguous()]
+    writer = SharedWeightsWriter(tmp_path / "weights.bin")
+    first = writer.write(named)
+    second = writer.write([(n, t + 1) for n, t in named])
+    assert first.path != second.path and first.tensor_bytes == sum(t.nbytes for _, t in named)
+    got_first, got_second = dict(read_shared(first)), dict(read_shared(second))
+    for name, t in named:
+        assert torch.equal(got_first[name], t), name  # v1 intact after v2 was written
+        assert torch.equal(got_second[name], t + 1), name
+    writer.write(named)  # v3 reuses v1's file (and the reader's cached mapping sees it)
+    assert all(torch.equal(v, t) for (_, t), v in zip(named, dict(read_shared(first)).values(), strict=True))
+
+
+def test_missing_shared_file_names_the_key(tmp_path):
+    layout = SharedWeightsWriter(tmp_path / "w.bin").write([("w", torch.ones(2))])
+    Path(layout.path).unlink()
+    with pytest.raises(FileNotFoundError, match="rollout.weight_sync=shared_memory"):
+        list(read_shared(layout))

@@ -1,14 +1,15 @@
 """Weight sync through shared memory (``rollout.weight_sync: shared_memory``), one machine.
 
-Each pipeline stage's sender copies its HF-named tensors into one flat file of its own in
-``/dev/shm`` (``SharedWeightsWriter``: mapped once, rewritten in place every sync, so after the
-first sync no page is allocated again); the engine workers map the same files
-(``read_shared``, mapping kept between syncs) and copy the tensors straight from them into
-their model: one memory copy on each side, no socket, no serialisation, no file parsing.
+Each pipeline stage's sender copies its HF-named tensors into a flat file of its own in
+``/dev/shm`` (``SharedWeightsWriter``: two files used in turn, each mapped once and rewritten
+in place, so after the first two syncs no page is allocated again); the engine workers map
+the same files (``read_shared``, mappings kept between syncs) and copy the tensors straight
+from them into their model: one memory copy on each side, no socket, no serialisation, no file parsing.
 ``SharedLayout`` (path, specs, byte offsets) is all that travels through the worker pipes.
 
-Contract: the file of a version stays unchanged until the next sync (the pool's lock orders
-syncs and generation), so a worker restarted between syncs loads it again; at PP > 1 the
+Contract: the file of a version stays unchanged until the sync after next (the pool's lock
+orders syncs and generation), so a worker restarted between syncs, or during a generate of
+the previous version while the next one is written (stale mode), loads it again; at PP > 1 the
 layouts of every stage are loaded in stage order. Engines must run on the machine of every
 sender (for engines elsewhere use ``broadcast``).
 """
@@ -74,21 +75,29 @@ class _Mapping:
 
 
 class SharedWeightsWriter:
-    """Sender side: writes tensors into the file at ``path`` (created, or resized when the
-    tensor set changes), returning the layout the workers map."""
+    """Sender side: writes tensors into ``<path>.0`` and ``<path>.1`` in turn (each created, or
+    resized when the tensor set changes), returning the layout the workers map.
+
+    Two files, because the write of version v+1 starts before the pool's lock is taken: in
+    stale mode a worker restarted during a generate of version v must still find v. The file
+    of v is rewritten only by the write of v+2, after every worker has loaded v+1."""
 
     def __init__(self, path: str | Path):
         self.path = str(path)
-        self._mapping: _Mapping | None = None
+        self._mappings: dict[str, _Mapping] = {}
+        self._writes = 0
 
     def write(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> SharedLayout:
-        layout = plan_layout(self.path, [TensorSpec.of(n, t) for n, t in named_tensors])
-        if self._mapping is None or self._mapping.nbytes != layout.nbytes or not os.path.exists(self.path):
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self._mapping = _Mapping(self.path, layout.nbytes, create=True)
+        path = f"{self.path}.{self._writes % 2}"
+        self._writes += 1
+        layout = plan_layout(path, [TensorSpec.of(n, t) for n, t in named_tensors])
+        mapping = self._mappings.get(path)
+        if mapping is None or mapping.nbytes != layout.nbytes or not os.path.exists(path):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            mapping = self._mappings[path] = _Mapping(path, layout.nbytes, create=True)
         with one_copy_thread():
             for (_, t), spec, offset in zip(named_tensors, layout.specs, layout.offsets, strict=True):
-                self._mapping.view(spec, offset).copy_(t)
+                mapping.view(spec, offset).copy_(t)
         return layout
 
 
