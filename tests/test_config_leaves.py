@@ -3,8 +3,9 @@
 The config is wrapped so that reading a leaf field is recorded (a section handed on whole, as
 ``vars(section)``, counts for all its leaves), then the real ``train`` runs one step on a tiny
 model in two configurations that between them take every branch that reads a section (fixed G
-and SAGC, periodic and stale, overlong shaping, a reference model). Validation and checkpoint
-serialisation, which read every field by construction, run outside the recording.
+and SAGC, periodic and stale, overlong shaping, a reference model). Validation, checkpoint
+serialisation and the resolved config printed at the start, which read every field by
+construction, run outside the recording.
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def _train_tracked(config_path: str, overrides: list[str]) -> set[str]:
     from megatron_rl.config import load_config
     from megatron_rl.trainer.loop import train
 
+    from megatron_rl.trainer import progress
+
+    printed = progress.format_config
+
+    def format_untracked(cfg):  # the resolved config printed at the start reads every leaf by design
+        before = set(READS)
+        out = printed(cfg)
+        READS.clear()
+        READS.update(before)
+        return out
+
+    progress.format_config = format_untracked
     cfg = tracked(load_config(config_path, overrides))  # validated before the recording starts
     READS.clear()
     train(cfg, platform="cpu")

@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -98,6 +100,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated variant names (and/or 'trl') to run")
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run (TRL's too)")
     args = p.parse_args(argv)
+    model = Path(yaml.safe_load(Path(args.config).read_text())["model"]["hf_path"])
+    if not (REPO / model / "config.json").exists() and not (model / "config.json").exists():
+        p.error(f"{args.config}: model.hf_path {model} holds no checkpoint; for the demo run `make demo` or "
+                f"`python tools/prepare_model.py --out {model} --dtype float32` first")
     chosen = set(filter(None, args.only.split(",")))
     results: dict[str, dict] = {}
     for v in variants(args.cores):

@@ -10,7 +10,7 @@ PY=${PY:-.venv/bin/python}
 LOG_DIR=${LOG_DIR:-runs/demo}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)}
 
-"$PY" tools/prepare_model.py --out .cache/models/smollm2-135m-instruct
+"$PY" tools/prepare_model.py --out .cache/models/smollm2-135m-instruct --dtype float32
 rm -f "$LOG_DIR/metrics.jsonl"
 start=$(date +%s)
 "$PY" -m megatron_rl train examples/demo/config.yaml "trainer.log_dir=$LOG_DIR" "$@"
