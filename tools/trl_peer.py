@@ -30,15 +30,12 @@ def build_dataset(cfg):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from megatron_rl.data import load_prompts
     from megatron_rl.data.tokenization import render_chat
+    from megatron_rl.trainer import from_config
 
     d = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-    prompts, _ = load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                              chat_template=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options,
-                              instruction=d.instruction)
+    prompts, _ = from_config.prompts(cfg, tokenizer)
     records = [p.record for p in prompts]
     def prompt(record):  # what megatron_rl tokenizes: the chat, or (no chat template) its one user turn
         chat = [{"role": m.role, "content": m.content} for m in render_chat(record, instruction=d.instruction)]

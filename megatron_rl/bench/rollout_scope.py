@@ -18,7 +18,7 @@ from megatron_rl.bench.flops import GroupShape
 from megatron_rl.bench.options import BenchOptions, resolve_peak
 from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate
 from megatron_rl.config import Config, config_to_dict
-from megatron_rl.data import PromptStream, load_prompts
+from megatron_rl.data import PromptStream
 from megatron_rl.pipeline import request_id, request_seed
 from megatron_rl.platform.device import detect_platform
 from megatron_rl.rollout import GenerationRequest, build_engine
@@ -34,10 +34,7 @@ def run_rollout_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     d = cfg.data
-    prompts, _ = load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                              chat_template=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                              size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options,
-                              instruction=d.instruction)
+    prompts, _ = from_config.prompts(cfg, tokenizer)
     stream = PromptStream(prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
     sampling, reward = from_config.sampling_settings(cfg, tokenizer), from_config.reward_fn(cfg)
     settings = from_config.engine_settings(cfg)

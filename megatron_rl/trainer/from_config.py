@@ -9,6 +9,8 @@ from __future__ import annotations
 from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrection
 from megatron_rl.config import Config
 from megatron_rl.control import SAGCSettings
+from megatron_rl.data import TokenizedPrompt, load_prompts
+from megatron_rl.data.prompts import DataReport
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
 from megatron_rl.rewards import GuardedReward, load_guarded_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings
@@ -88,3 +90,11 @@ def pipeline_settings(cfg: Config) -> PipelineSettings:
 def sagc_settings(cfg: Config) -> SAGCSettings:
     """``control.sagc`` as it is, starting at ``control.group_size``."""
     return SAGCSettings(**vars(cfg.control.sagc), initial=cfg.control.group_size)
+
+
+def prompts(cfg: Config, tokenizer) -> tuple[list[TokenizedPrompt], DataReport]:
+    """The ``data`` section's prompts, tokenized with ``tokenizer``, and what the loader skipped."""
+    d = cfg.data
+    return load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens, chat_template=d.chat_template,
+                        prompt_key=d.prompt_key, answer_key=d.answer_key, size=d.size, seed=d.seed,
+                        skip_bad_rows=d.skip_bad_rows, options=d.options, instruction=d.instruction)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_rl.config import Config, ConfigError, validate_world
 from megatron_rl.config.errors import Problem
 from megatron_rl.control import GroupSizeController, load_controller
-from megatron_rl.data import PromptStream, load_prompts
+from megatron_rl.data import PromptStream
 from megatron_rl.parallel.state import initialize_parallel
 from megatron_rl.pipeline import Pipeline
 from megatron_rl.pipeline.recording import NullEngine
@@ -116,10 +116,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     d = cfg.data
-    prompts, report = load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                   chat_template=d.chat_template, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                   size=d.size, seed=d.seed, skip_bad_rows=d.skip_bad_rows, options=d.options,
-                                   instruction=d.instruction)
+    prompts, report = from_config.prompts(cfg, tokenizer)
     print(report.summary(), flush=True)
     stream = PromptStream(prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
     if resume and resume.prompt_stream:
