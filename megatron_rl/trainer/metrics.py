@@ -128,8 +128,8 @@ def _weight_sync(seconds: Mapping[str, float]) -> dict[str, float]:
     nbytes, transfer = seconds.get("weight_sync_bytes", 0.0), seconds.get("weight_sync_transfer", 0.0)
     if not nbytes:
         return {}
-    return {"sync/bytes": nbytes, "sync/transfer_s": transfer,
-            "sync/gb_per_s": nbytes / 1e9 / max(seconds.get("weight_sync", transfer), 1e-9)}
+    return {"sync/bytes": nbytes, "sync/transfer_s": transfer,  # the hand-over alone, not the old-policy copy
+            "sync/gb_per_s": nbytes / 1e9 / max(transfer or seconds.get("weight_sync", 0.0), 1e-9)}
 
 
 def peak_memory_gb() -> float:
