@@ -66,9 +66,8 @@ def tracked(node, prefix=""):
 
 def _train_tracked(config_path: str, overrides: list[str]) -> set[str]:
     from megatron_rl.config import load_config
-    from megatron_rl.trainer.loop import train
-
     from megatron_rl.trainer import progress
+    from megatron_rl.trainer.loop import train
 
     printed = progress.format_config
 

@@ -103,10 +103,10 @@ def test_k_copies_layout_makes_the_same_update(setup):
     runs = {}
     for shared in ("true", "false"):
         out = tmp / f"shared_{shared}"
-        (history,) = run_distributed(_train, 1, config, [f"trainer.save_dir={out}", f"attention.shared_prompt={shared}"],
-                                     str(rec), timeout_s=600)
-        runs[shared] = load_weights(out / "step_3" / "model"), history
-    (a, _), (b, _) = runs["true"], runs["false"]
+        overrides = [f"trainer.save_dir={out}", f"attention.shared_prompt={shared}"]
+        run_distributed(_train, 1, config, overrides, str(rec), timeout_s=600)
+        runs[shared] = load_weights(out / "step_3" / "model")
+    a, b = runs["true"], runs["false"]
     initial = load_weights(tmp / "model")
     assert max((a[k] - initial[k]).abs().max().item() for k in a) > 1e-3
     for key, value in a.items():
