@@ -130,3 +130,18 @@ def test_make_micro_batch_lines_up_with_the_packing():
                        scoring=GroupScoring(dynamic_sampling=True))
     with pytest.raises(ValueError, match="dropped by dynamic sampling"):
         make_micro_batch([g1, flat], policy_version=4)
+
+
+def test_unshare_prompts_packs_each_response_after_its_own_prompt_copy():
+    from megatron_rl.pipeline.records import unshare_prompts
+
+    g1 = score_group(step=4, prompt_index=0, samples=[sample(0, (7, 8), 1.0, 3), sample(1, (9,), 0.0, 4)],
+                     scoring=GroupScoring())
+    g2 = score_group(step=4, prompt_index=1, samples=[sample(0, (6, 6, 6), 0.0, 4, prompt=(2,)),
+                                                      sample(1, (5,), 1.0, 2, prompt=(2,))], scoring=GroupScoring())
+    mb = make_micro_batch([g1, g2], policy_version=4)
+    k = unshare_prompts(mb)
+    assert k.packed.token_ids.tolist() == [1, 2, 3, 7, 8, 1, 2, 3, 9, 2, 6, 6, 6, 2, 5]  # written out by hand
+    assert k.packed.target_ids.tolist() == mb.packed.target_ids.tolist()  # same responses, same order
+    for field in ("advantages", "behav_logprobs", "versions"):
+        assert torch.equal(getattr(k, field), getattr(mb, field))
