@@ -5,6 +5,9 @@
   sample is trained once, on one replica; in sync mode each group goes where an independent
   replay of the least-loaded rule over prompt order puts it; ``train/dp_imbalance`` is the
   max / mean of the tokens each replica received.
+- ``StepBatch`` streamed at 2 and 3 replicas with the engine never idle (every cut but the last
+  is the token-budget overflow): each replica's micro-batches are exactly a written-out replay
+  (least-loaded replica per arriving group, cut at the budget), every sample trained once.
 - A DP rank that got no micro-batch in a mini-batch still steps with zero gradients, and the
   update equals the independent one-sequence-at-a-time reference (``test_policy_trainer``).
 """
@@ -88,3 +91,64 @@ def test_a_replica_without_micro_batches_still_steps_with_zero_gradients(checkpo
     for weights, skipped in run_distributed(_empty_rank_worker, 2, checkpoint, "grpo"):
         assert not skipped
         _assert_same(weights, ref)
+
+
+def _arriving_groups(n: int, seed: int) -> list:
+    """``n`` kept groups of step 0 (G = 2, 4..13 packed tokens each), in arrival order."""
+    import random as random_lib
+
+    import torch
+
+    from megatron_rl.pipeline.records import Sample, ScoredGroup
+
+    rng, out = random_lib.Random(seed), []
+    for i in range(n):
+        prompt = tuple(range(1, 2 + rng.randrange(3)))
+        lens = [1 + rng.randrange(5) for _ in range(2)]
+        samples = tuple(Sample(prompt_id=f"p{i}", request_id=f"0/p{i}/{k}", index=k, prompt_ids=prompt,
+                               response_ids=(5,) * n_k, behav_logprobs=(-0.5,) * n_k, weight_version=0,
+                               finish_reason="stop", reward=0.0) for k, n_k in enumerate(lens))
+        out.append(ScoredGroup(step=0, prompt_index=i, prompt_id=f"p{i}", samples=samples,
+                               rewards=torch.zeros(2), advantages=torch.ones(2), kept=True))
+    return out
+
+
+def _expected_cuts(groups, replicas: int, budget: int) -> dict[int, list[list[str]]]:
+    """Written out: least-loaded replica per arriving group, then each replica's groups in arrival
+    order cut whenever the next one would pass ``budget``. Request ids per micro-batch."""
+    loads, cuts = [0] * replicas, {r: [] for r in range(replicas)}
+    used = [budget + 1] * replicas
+    for g in groups:
+        r = loads.index(min(loads))
+        loads[r] += g.num_packed_tokens
+        if used[r] + g.num_packed_tokens > budget:
+            cuts[r].append([])
+            used[r] = 0
+        cuts[r][-1] += [s.request_id for s in g.samples]
+        used[r] += g.num_packed_tokens
+    return cuts
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_streamed_overflow_cuts_every_replica_its_own_micro_batches(replicas):
+    """Periodic mode with the engine never idle: every micro-batch but the last per replica is cut
+    by the token-budget overflow, at every replica, and each holds that replica's groups only."""
+    from megatron_rl.pipeline.batching import StepBatch
+    from megatron_rl.pipeline.records import BatchEnd, BatchStart
+
+    groups, budget = _arriving_groups(24, seed=replicas), 20
+    items = iter([*groups, BatchEnd(step=0, group_size=2, response_lengths=(), groups_produced=24,
+                                    groups_dropped=0, source_state=None)])
+    batch = StepBatch(start=BatchStart(step=0, num_prompts=24, group_size=2), policy_version=0,
+                      num_mini_batches=1, token_budget=budget, streamed=True, flush_when_idle=True,
+                      pop=lambda: next(items), queue_empty=lambda: False, replicas=replicas)
+    got = {r: [] for r in range(replicas)}
+    for mini in batch.mini_batches():
+        for mb in mini:
+            assert mb.packed.num_tokens <= budget
+            got[mb.replica].append([s.request_id for g in mb.groups for s in g.samples])
+    want = _expected_cuts(groups, replicas, budget)
+    assert all(len(want[r]) >= 3 for r in range(replicas)), "the overflow branch must run at every replica"
+    trained = sorted(i for r in got for mb in got[r] for i in mb)
+    assert trained == sorted(s.request_id for g in groups for s in g.samples)  # each sample once
+    assert got == want
