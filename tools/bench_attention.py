@@ -24,37 +24,22 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
-Attn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Shape:
-    """The packed micro-batch: ``groups`` x (prompt ``lp``, ``k`` ragged responses around ``lr``)."""
-
-    groups: int
-    lp: int
-    lr: int
-    k: int
-    hq: int
-    hkv: int
-    d: int
-
-    def response_lens(self) -> list[list[int]]:
-        """Ragged, deterministic: response i of a group is ``lr`` shortened by up to a half."""
-        return [[max(1, self.lr - (i * self.lr) // (2 * self.k)) for i in range(self.k)] for _ in range(self.groups)]
-
-    def attention_pairs(self) -> int:
-        """Allowed (query, key) pairs of the shared-prompt mask."""
-        p = self.lp
-        return sum(p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in lens) for lens in self.response_lens())
+from megatron_rl.bench.attention import (
+    Attn,
+    Shape,
+    flash_varlen,
+    fwd_bwd,
+    make_inputs,
+    max_errors,
+    per_sample_sdpa,
+    reference,
+    sample_index,
+    timed_ms,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,93 +68,6 @@ def _defaults(args: argparse.Namespace, cuda: bool) -> tuple[Shape, torch.dtype,
     return shape, getattr(torch, pick["dtype"]), pick["block"], pick["repeats"]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def fwd_bwd(fn: Attn, q, k, v, w) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Output and (dq, dk, dv) of ``sum(fn(q, k, v) * w)``."""
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*leaves)
-    (out.float() * w).sum().backward()
-    return out.detach(), tuple(x.grad for x in leaves)
-
-
-def timed_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn`` after one warm-up call (compiles, builds block plans)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
-def sample_index(shape: Shape) -> list[torch.Tensor]:
-    """Packed-token indices of every sample ``[prompt, r_i]`` (the K-copies layout)."""
-    out, start = [], 0
-    for lens in shape.response_lens():
-        prompt, r = torch.arange(start, start + shape.lp), start + shape.lp
-        for n in lens:
-            out.append(torch.cat([prompt, torch.arange(r, r + n)]))
-            r += n
-        start = r
-    return out
-
-
-def per_sample_sdpa(index: list[torch.Tensor], scale: float) -> Attn:
-    """Causal SDPA on every ``[prompt, r_i]`` separately; output ``[Σ L_i, Hq, D]``."""
-    def run(q, k, v):
-        outs = []
-        for idx in index:
-            idx = idx.to(q.device)
-            qh, kh, vh = (x[idx].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-            outs.append(o.squeeze(0).transpose(0, 1))
-        return torch.cat(outs)
-    return run
-
-
-def flash_varlen(index: list[torch.Tensor], scale: float) -> Attn | None:
-    """flash-attn's varlen kernel over the samples (causal), or None when it is not installed."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    lens = torch.tensor([len(i) for i in index])
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
-    flat = torch.cat(index)
-
-    def run(q, k, v):
-        c, f = cu.to(q.device), flat.to(q.device)
-        return flash_attn_varlen_func(q[f], k[f], v[f], c, c, int(lens.max()), int(lens.max()),
-                                      softmax_scale=scale, causal=True)
-    return run
-
-
-def reference(shape: Shape, q, k, v, w, scale: float) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The ``reference`` backend in fp32 on the same values, group by group (groups never attend
-    to each other, and a dense ``[T, T]`` mask of the whole micro-batch would not fit)."""
-    from megatron_rl.attention import AttentionLayout
-    from megatron_rl.attention.reference import reference_attention
-
-    outs, grads, start = [], ([], [], []), 0
-    for lens in shape.response_lens():
-        one = AttentionLayout.from_lengths([shape.lp], [lens])
-        sl = slice(start, start + one.total_tokens)
-        out, g = fwd_bwd(lambda *x, lay=one: reference_attention(*x, lay, scale),
-                         q[sl].float(), k[sl].float(), v[sl].float(), w[sl])
-        outs.append(out)
-        for acc, part in zip(grads, g, strict=True):
-            acc.append(part)
-        start = sl.stop
-    return torch.cat(outs), tuple(torch.cat(acc) for acc in grads)
-
-
 def backends(device: torch.device, block: int) -> dict[str, Attn | str]:
     """The shared-prompt backends to check; a string says why one is skipped."""
     from megatron_rl.attention.flex import flex_attention_packed
@@ -188,30 +86,22 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the triton backend, lazily)
-    from megatron_rl.attention import AttentionLayout
-
     shape, dtype, block, repeats = _defaults(args, cuda)
-    torch.manual_seed(args.seed)
-    layout = AttentionLayout.from_lengths([shape.lp] * shape.groups, shape.response_lens())
-    t, scale = layout.total_tokens, 1.0 / math.sqrt(shape.d)
-    q = torch.randn(t, shape.hq, shape.d, device=device).to(dtype)
-    k, v = (torch.randn(t, shape.hkv, shape.d, device=device).to(dtype) for _ in range(2))
-    w = torch.randn(t, shape.hq, shape.d, device=device)
-    ref_out, ref_grads = reference(shape, q, k, v, w, scale)
-    useful = 3 * 4.0 * shape.hq * shape.d * shape.attention_pairs()  # fwd (QK^T, PV) + bwd (2x)
+    layout, scale, useful = shape.layout(), 1.0 / math.sqrt(shape.d), shape.useful_flop()
+    x = make_inputs(shape, dtype, device, seed=args.seed)
+    ref_out, ref_grads = reference(shape, x, scale)
     report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "interpreted": not cuda,
-                    "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape), "tokens": t, "block": block,
-                    "useful_tflop": useful / 1e12, "backends": {}, "baselines": {}}
+                    "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape),
+                    "tokens": layout.total_tokens, "block": block, "useful_tflop": useful / 1e12,
+                    "backends": {}, "baselines": {}}
     for name, fn in backends(device, block).items():
         if isinstance(fn, str):
             report["backends"][name] = {"status": fn}
             continue
         attn = (lambda f: lambda a, b, c: f(a, b, c, layout, scale))(fn)
-        out, grads = fwd_bwd(attn, q, k, v, w)
-        errs = {"max_err_out": (out.float() - ref_out).abs().max().item()}
-        errs.update({f"max_err_{g}": (got.float() - want).abs().max().item()
-                     for g, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)})
-        ms = timed_ms(lambda a=attn: fwd_bwd(a, q, k, v, w), repeats, device)
+        out, grads = fwd_bwd(attn, x.q, x.k, x.v, x.w)
+        errs = {f"max_err_{key}": err for key, err in max_errors(out, grads, ref_out, ref_grads).items()}
+        ms = timed_ms(lambda a=attn: fwd_bwd(a, x.q, x.k, x.v, x.w), repeats, device)
         report["backends"][name] = {"status": "ok", **errs, "fwd_bwd_ms": ms, "tflops": useful / ms / 1e9}
     index = sample_index(shape)
     w_copies = torch.randn(sum(len(i) for i in index), shape.hq, shape.d, device=device)
@@ -223,7 +113,7 @@ def main(argv=None) -> dict:
         if isinstance(fn, str):
             report["baselines"][name] = {"status": fn}
             continue
-        ms = timed_ms(lambda f=fn: fwd_bwd(f, q, k, v, w_copies), repeats, device)
+        ms = timed_ms(lambda f=fn: fwd_bwd(f, x.q, x.k, x.v, w_copies), repeats, device)
         report["baselines"][name] = {"status": "ok", "fwd_bwd_ms": ms, "tflops": useful / ms / 1e9}
     print(json.dumps(report), flush=True)
     return report
