@@ -232,3 +232,22 @@ def test_alarm_fires_above_thresholds_and_is_silent_below():
         assert cause in message
     with pytest.raises(ValueError, match="action"):
         MismatchAlarm(action="panic")
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask"])
+def test_a_ratio_exactly_at_a_bound_is_kept(mode):
+    """[C_min, C_max] is closed (TRL: ``ratio < min | ratio > max`` is dropped): one counted token
+    per sequence, ratios exactly at C_max and C_min are kept with their value, ratios just past
+    either bound dropped. Written out here and checked against TRL's own block."""
+    delta = torch.tensor([0.5, -0.5, 0.5 + 1e-5, -0.5 - 1e-5])  # float32 log-ratios
+    ratio = torch.exp(delta)
+    c_min, c_max = float(ratio[1]), float(ratio[0])  # the bounds are these float32 values exactly
+    old = torch.stack([delta, torch.zeros(4)], dim=1)  # [4, 2]; token 1 is padding
+    behav = torch.zeros(4, 2)
+    mask = torch.tensor([[1.0, 0.0]] * 4)
+    s = RolloutCorrection(mode=mode, c_min=c_min, c_max=c_max)
+    ours = rollout_correction(s, trainer_logp=old, behav_logp=behav, logp=old, advantages=torch.ones(4), mask=mask)
+    assert ours.weight[:, 0].tolist() == [c_max, c_min, 0.0, 0.0]
+    assert ours.dropped[:, 0].tolist() == [False, False, True, True]
+    trl = _trl_ratio(mode, c_min, c_max, old, behav, mask).expand(4, 2) * mask
+    assert torch.equal(ours.weight, trl)
