@@ -1,6 +1,7 @@
 """``GuardedReward``: a reward that raises, exceeds ``reward.timeout_s``, or returns a
 non-number / NaN / inf scores 0 for that sample, is counted by kind, and never raises; good
-calls pass through; empty responses score 0 with every builtin."""
+calls pass through; empty responses score 0 with every builtin. The time limit also holds where
+training calls the reward, in the pipeline's producer thread, and reaches the step's metrics."""
 
 from __future__ import annotations
 
@@ -90,3 +91,43 @@ def test_loaded_from_the_config_spec():
 def test_empty_response_scores_zero(name):
     guarded = GuardedReward(BUILTIN_REWARDS[name], timeout_s=30.0)
     assert guarded(RECORD, "") == 0.0 and guarded.stats().failed == 0
+
+
+_stuck = threading.Event()
+
+
+def _stuck_on_p2(record, text):
+    """1.0, after a 3 s hang for every sample of prompt "p2" (released early at the test's end)."""
+    if record.prompt_id == "p2":
+        _stuck.wait(3.0)
+    return 1.0
+
+
+def test_timeout_holds_in_the_producer_thread_and_reaches_the_step_metrics():
+    """In training the reward runs in the producer thread, not the main one: there too a hung call
+    scores 0 after ``timeout_s`` and is counted in the step's ``reward/failures_timeout``. The
+    count is checked against the samples of the hung prompt the engine generated."""
+    from tests.pipeline_fakes import FakeEngine, FakeTrainer, deadline, make_pipeline, train_one_step
+
+    _stuck.clear()
+    guarded, callers = GuardedReward(_stuck_on_p2, timeout_s=0.5), set()
+
+    def reward(record, text):
+        callers.add(threading.current_thread().name)
+        return guarded(record, text)
+
+    engine = FakeEngine(order_seed=1)
+    trainer = FakeTrainer(engine)
+    try:
+        with deadline(60), make_pipeline(engine, mode="periodic", num_steps=1, reward_fn=reward) as pipe:
+            pipe._extra_metrics = lambda: guarded.stats().as_metrics()  # as trainer.setup.build_pipeline wires it
+            summary = train_one_step(pipe, trainer)
+    finally:
+        _stuck.set()
+    assert callers == {"megatron_rl-producer"}
+    hung = [r.request_id for r in engine.results if "/p2/" in r.request_id]
+    assert len(hung) == 4
+    assert summary.extra_metrics["reward/failures_timeout"] == len(hung)
+    assert summary.extra_metrics["reward/failures"] == len(hung)
+    rewards = {s.request_id: s.reward for mb in trainer.micro_batches for g in mb.groups for s in g.samples}
+    assert rewards == {r.request_id: 0.0 if r.request_id in hung else 1.0 for r in engine.results}
