@@ -160,7 +160,7 @@ def _gate_on_rank(alarm):
 
     dist.init_process_group("gloo")
     local = _metrics(0.5) if dist.get_rank() == 0 else None
-    merged = world_mismatch(local).to_log()
+    merged = world_mismatch(local, device=torch.device("cpu")).to_log()
     try:
         return merged, check_mismatch(alarm, local)
     except MismatchAlarmError as e:

@@ -22,7 +22,7 @@ Conventions (the contract with the model and the loss):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,6 +75,17 @@ class PackedMicroBatch:
     @property
     def num_responses(self) -> int:
         return len(self.response_lens)
+
+    def to(self, device: torch.device) -> PackedMicroBatch:
+        """The tensors on ``device`` (one copy each, non-blocking); ``layout`` stays a host
+        description whose device plans the attention backends build and cache."""
+        if self.token_ids.device == torch.device(device):
+            return self
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS}
+        return replace(self, **moved)
+
+
+_TENSOR_FIELDS = ("token_ids", "position_ids", "segment_ids", "group_ids", "cu_seqlens", "logit_index", "target_ids")
 
 
 def _as_ids(x: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
@@ -178,9 +189,19 @@ def unpack_logprobs(per_token: torch.Tensor, mb: PackedMicroBatch) -> list[torch
 def unpack_logprobs_padded(
     per_token: torch.Tensor, mb: PackedMicroBatch, pad_value: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``per_token [N]`` -> (``[R, max_len]`` padded with ``pad_value``, ``[R, max_len]`` bool mask)."""
-    rows = unpack_logprobs(per_token, mb)
-    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_value)
-    lens = torch.tensor(mb.response_lens)
-    mask = torch.arange(padded.shape[1])[None, :] < lens[:, None]
-    return padded, mask
+    """``per_token [N]`` -> (``[R, max_len]`` padded with ``pad_value``, ``[R, max_len]`` bool
+    mask), both on ``per_token``'s device."""
+    padded = pad_responses(per_token, mb, pad_value)
+    return padded, response_mask(mb, padded.shape[1], per_token.device)
+
+
+def pad_responses(per_token: torch.Tensor, mb: PackedMicroBatch, pad_value: float = 0.0) -> torch.Tensor:
+    """``per_token [N]`` -> ``[R, max_len]``, each response's row padded with ``pad_value``."""
+    return torch.nn.utils.rnn.pad_sequence(unpack_logprobs(per_token, mb), batch_first=True, padding_value=pad_value)
+
+
+def response_mask(mb: PackedMicroBatch, max_len: int, device: torch.device) -> torch.Tensor:
+    """``[R, max_len]`` bool, True on each response's tokens; built on ``device`` from the
+    lengths (one small host -> device copy)."""
+    lens = torch.tensor(mb.response_lens, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.arange(max_len, device=device)[None, :] < lens[:, None]

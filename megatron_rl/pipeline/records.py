@@ -166,8 +166,16 @@ class MicroBatch:
         return self.policy_version - self.versions
 
     def _per_token(self, per_response: torch.Tensor) -> torch.Tensor:
-        lens = torch.tensor(self.packed.response_lens, dtype=torch.int64)
+        lens = torch.tensor(self.packed.response_lens, dtype=torch.int64).to(per_response.device)
         return per_response.repeat_interleave(lens)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """What a micro-step reads, on ``device``: the packed tensors, advantages, behaviour
+        log-probs and versions, each copied once (non-blocking). ``groups`` stay on the host."""
+        return replace(self, packed=self.packed.to(device),
+                       advantages=self.advantages.to(device, non_blocking=True),
+                       behav_logprobs=self.behav_logprobs.to(device, non_blocking=True),
+                       versions=self.versions.to(device, non_blocking=True))
 
 
 def to_token_group(group: ScoredGroup) -> TokenGroup:

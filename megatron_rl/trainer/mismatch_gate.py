@@ -20,15 +20,16 @@ from megatron_rl.algorithms import MismatchAlarm, MismatchAlarmError, MismatchMe
 logger = logging.getLogger(__name__)
 
 
-def world_mismatch(local: MismatchMetrics | None) -> MismatchMetrics | None:
-    """``local`` reduced over the default process group (returned as is when not distributed)."""
+def world_mismatch(local: MismatchMetrics | None, *, device: torch.device) -> MismatchMetrics | None:
+    """``local`` reduced over the default process group (returned as is when not distributed).
+    The metrics are device scalars: they are stacked and reduced on ``device``, no host copy."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return local
-    sums = torch.zeros(len(MismatchMetrics.SUM_FIELDS), dtype=torch.float64)
-    peaks = torch.zeros(len(MismatchMetrics.MAX_FIELDS), dtype=torch.float64)
+    sums = torch.zeros(len(MismatchMetrics.SUM_FIELDS), dtype=torch.float64, device=device)
+    peaks = torch.zeros(len(MismatchMetrics.MAX_FIELDS), dtype=torch.float64, device=device)
     if local is not None:
-        sums = torch.stack([getattr(local, f).detach().cpu().double() for f in MismatchMetrics.SUM_FIELDS])
-        peaks = torch.stack([getattr(local, f).detach().cpu().double() for f in MismatchMetrics.MAX_FIELDS])
+        sums = torch.stack([getattr(local, f).detach().to(device, torch.float64) for f in MismatchMetrics.SUM_FIELDS])
+        peaks = torch.stack([getattr(local, f).detach().to(device, torch.float64) for f in MismatchMetrics.MAX_FIELDS])
     dist.all_reduce(sums)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     named = dict(zip(MismatchMetrics.SUM_FIELDS, sums, strict=True))
@@ -36,15 +37,17 @@ def world_mismatch(local: MismatchMetrics | None) -> MismatchMetrics | None:
     return MismatchMetrics(**named)
 
 
-def check_mismatch(alarm: MismatchAlarm | None, local: MismatchMetrics | None) -> str | None:
+def check_mismatch(alarm: MismatchAlarm | None, local: MismatchMetrics | None, *,
+                   device: torch.device | None = None) -> str | None:
     """Apply ``alarm`` to this mini-batch's metrics (call on every rank, before the step).
 
     Returns the warning text when the alarm fired with ``action: warn`` (logged on rank 0),
     None when it stayed silent; raises ``MismatchAlarmError`` when it fired with ``stop``.
+    ``device``: where the world reduction runs (the compute device; the host when None).
     """
     if alarm is None:
         return None
-    verdict = alarm_verdict(alarm, world_mismatch(local))
+    verdict = alarm_verdict(alarm, world_mismatch(local, device=device or torch.device("cpu")))
     if verdict is None:
         return None
     if alarm.action == "stop":

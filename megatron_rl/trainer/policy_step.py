@@ -14,14 +14,13 @@ normalised loss however the batch was split or ordered.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
-from megatron_rl.attention.packing import unpack_logprobs_padded
+from megatron_rl.attention.packing import pad_responses, unpack_logprobs_padded
 from megatron_rl.pipeline.records import MicroBatch, unshare_prompts
 from megatron_rl.trimodel import TriLogprobs, TriModel
 
@@ -44,11 +43,13 @@ class PolicyTrainer:
     def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings, shared_prompt: bool = True) -> None:
         self.trimodel, self.ddp, self.optimizer, self.loss = trimodel, ddp, optimizer, loss
         self.shared_prompt = shared_prompt  # attention.shared_prompt: false packs K prompt copies
+        self.device = next(ddp.parameters()).device  # the compute device every micro-step runs on
         self._reset()
 
     def _reset(self) -> None:
-        self._numerator = torch.zeros((), dtype=torch.float64)
-        self._denominator = torch.zeros((), dtype=torch.float64)
+        # Device scalars: a micro-step adds to them without a host sync; read once per step.
+        self._numerator = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._denominator = torch.zeros((), dtype=torch.float64, device=self.device)
         self._metrics: LossMetrics | None = None
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -61,6 +62,7 @@ class PolicyTrainer:
         """Forward + backward of one packed micro-batch; gradients accumulate until the step."""
         if not self.shared_prompt:
             mb = unshare_prompts(mb)
+        mb = mb.to(self.device)  # once per micro-batch: the loss meets only device tensors
         self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb), finalize_grads=False)
 
     def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch):
@@ -68,10 +70,10 @@ class PolicyTrainer:
         logp, mask = unpack_logprobs_padded(lp.policy, packed)
         # One optimizer step per batch: every forward of the batch runs at θ_t, so the old policy
         # (and the recompute proximal of ppo_decoupled) is the detached policy, no extra forward.
-        old = logp.detach() if lp.old_is_policy else unpack_logprobs_padded(lp.old, packed)[0]
-        ref = unpack_logprobs_padded(lp.ref, packed)[0] if lp.ref is not None else None
-        entropy = unpack_logprobs_padded(lp.entropy, packed)[0] if lp.entropy is not None else None
-        behav = unpack_logprobs_padded(mb.behav_logprobs.to(logp.dtype), packed)[0]
+        old = logp.detach() if lp.old_is_policy else pad_responses(lp.old, packed)
+        ref = pad_responses(lp.ref, packed) if lp.ref is not None else None
+        entropy = pad_responses(lp.entropy, packed) if lp.entropy is not None else None
+        behav = pad_responses(mb.behav_logprobs.to(logp.dtype), packed)
         out = policy_loss(self.loss, logp=logp, mask=mask, advantages=mb.advantages.to(logp.dtype),
                           denominator=1.0, old_logp=old, ref_logp=ref, behav_logp=behav,
                           versions=mb.versions[:, None].expand_as(mask), current_version=mb.policy_version,
@@ -95,13 +97,14 @@ class PolicyTrainer:
         from megatron_rl.trainer.mismatch_gate import check_mismatch
 
         # algorithm.mismatch_alarm: one verdict on every rank; action "stop" raises before the step.
-        check_mismatch(self.loss.mismatch_alarm, self._metrics.mismatch if self._metrics is not None else None)
+        check_mismatch(self.loss.mismatch_alarm, self._metrics.mismatch if self._metrics is not None else None,
+                       device=self.device)
         # megatron's DDP averages over DP ranks (scales by 1/dp before its reduce-sum); the batch
         # gradient is the plain sum of the ranks' numerator gradients, hence dp / D.
         self.ddp.scale_gradients(ps.get_data_parallel_world_size() / denominator)
         finalize_model_grads([self.ddp])
         ok, grad_norm = False, None
-        if self._finite_everywhere(numerator):  # same verdict on every rank: all skip together
+        if self._finite_everywhere():  # same verdict on every rank: all skip together
             ok, grad_norm, _ = self.optimizer.step()  # not ok: megatron's own check (fp16 loss scaling)
         if not ok:  # nothing was applied
             self._reset()
@@ -113,31 +116,35 @@ class PolicyTrainer:
         self._reset()
         return result
 
-    def _finite_everywhere(self, numerator: float) -> bool:
-        """True iff the loss and every gradient of every rank are finite (one all-reduce)."""
-        local = math.isfinite(numerator) and all(
-            _all_finite(buf.grad_data) for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers
-        )
-        flag = torch.tensor([1 if local else 0], dtype=torch.int64)
+    def _finite_everywhere(self) -> bool:
+        """True iff the loss and every gradient of every rank are finite: the verdict is formed on
+        the device, all-reduced there (MIN) and read once."""
+        flag = torch.isfinite(self._numerator)
+        for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            flag = flag & _all_finite(buf.grad_data)
+        flag = flag.to(torch.int32).reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _global_totals(self) -> torch.Tensor:
-        """[denominator, numerator] summed over the model replicas' last stages (once per replica)."""
+    def _global_totals(self) -> list[float]:
+        """[denominator, numerator] summed over the model replicas' last stages (once per replica),
+        reduced on the device and read once."""
         from megatron.core import parallel_state as ps
 
         counts = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-        totals = torch.stack([self._denominator, self._numerator]) if counts else torch.zeros(2, dtype=torch.float64)
+        totals = torch.stack([self._denominator, self._numerator])
+        if not counts:
+            totals = torch.zeros_like(totals)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)
-        return totals
+        return totals.tolist()
 
 
-def _all_finite(values: torch.Tensor) -> bool:
-    """True iff every element is finite: min and max propagate NaN and hold any ±inf, and one
-    reduction pass costs ~1/20 of ``isfinite(x).all()`` (which materialises abs and masks)."""
+def _all_finite(values: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``values``' device, True iff every element is finite: min and max propagate
+    NaN and hold any ±inf, and one reduction pass costs ~1/20 of ``isfinite(x).all()``."""
     if values.numel() == 0:
-        return True
+        return torch.ones((), dtype=torch.bool, device=values.device)
     low, high = torch.aminmax(values)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    return torch.isfinite(low) & torch.isfinite(high)
