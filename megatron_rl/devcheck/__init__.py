@@ -1,0 +1,20 @@
+"""``tools/device_check.py``: the first run of megatron_rl on a real device, one JSON line.
+
+Checks, in order (``CHECKS``), each in a fresh child process so that a crash, a hang or a
+poisoned device context in one cannot hide the others:
+
+- ``environment`` (``environment.py``): library versions, device name / count / memory;
+- ``attention`` (``attention.py``): every shared-prompt kernel the device has against the
+  reference (forward and q/k/v gradients, fp32 and bf16) and its TFLOP/s next to the K-copies
+  FlashAttention-style baseline;
+- ``rl_hf``, ``resume``, ``rl_vllm`` (``rl.py``): a tiny Llama trained by the real loop
+  (``trainer.loop.train``) with the hf engine, a checkpoint resumed for one step that must
+  reproduce the straight run, and the vLLM engine when installed.
+
+``runner.py`` starts the children and assembles the report; ``child.py`` is a child's entry
+point; ``outcome.py`` turns an exception into the recorded error. Statuses: ``pass``, ``fail``,
+``skip`` (with a reason); the exit status is 0 only when no check failed.
+"""
+
+CHECKS = ("environment", "attention", "rl_hf", "resume", "rl_vllm")
+DEVICES = ("cuda", "npu", "cpu", "emulated")

