@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def run_check(name: str, opts: CheckOptions) -> dict:
     try:
         result = check_function(name)(opts)
     except Exception as exc:  # the point of the tool: record it, never hide the next check
+        traceback.print_exc()  # the whole traceback goes to the check's log
         result = failed(exc)
     return {**result, "seconds": round(time.perf_counter() - start, 2)}
 

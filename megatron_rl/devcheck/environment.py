@@ -47,8 +47,11 @@ def toolkit_versions(device: str) -> dict[str, str | None]:
     if device == "npu":
         import torch_npu
 
-        get = getattr(getattr(torch_npu, "utils", None), "get_cann_version", None)
-        return {"cann": get() if get else None}
+        get = getattr(getattr(torch_npu, "utils", None), "get_cann_version", None)  # torch_npu >= 2.5
+        try:
+            return {"cann": get() if get else None}
+        except RuntimeError as exc:  # CANN < 8.1 or a container without the version files
+            return {"cann": f"unknown ({exc})"}
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {"cuda": torch.version.cuda, "cudnn": cudnn}
 
