@@ -66,6 +66,7 @@ def initialize_parallel(
             raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _build_host_groups(plat)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     layout = ParallelLayout(
@@ -80,10 +81,44 @@ def initialize_parallel(
     return plat, layout
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron's groups and the default process group."""
+# Host-side twins of the world and of this rank's model-parallel group, on gloo whatever the
+# training backend: flags the host owns (a stop request) and pickled control messages (replica
+# calls) go there, so nothing on the host crosses NCCL / HCCL, which take device tensors only.
+_HOST_GROUPS: dict[str, object] = {}
+
+
+def host_world_group():
+    """A gloo group of the whole world (the default group itself when that is gloo)."""
+    return _HOST_GROUPS["world"]
+
+
+def host_model_parallel_group():
+    """A gloo group of this rank's model-parallel (TP x PP) ranks, megatron's group itself on gloo."""
+    return _HOST_GROUPS["model_parallel"]
+
+
+def _build_host_groups(plat: Platform) -> None:
+    """Create the host groups once per initialisation (collective over the world, same order everywhere)."""
     from megatron.core import parallel_state
 
+    if _HOST_GROUPS:
+        return
+    mp_group = parallel_state.get_model_parallel_group()
+    if plat.dist_backend == "gloo":
+        _HOST_GROUPS.update(world=dist.group.WORLD, model_parallel=mp_group)
+        return
+    world = dist.new_group(backend="gloo")
+    everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(mp_group)), group=world)
+    mine, _ = dist.new_subgroups_by_enumeration(sorted(set(everyone)), backend="gloo")
+    _HOST_GROUPS.update(world=world, model_parallel=mine)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups, the host groups and the default process group."""
+    from megatron.core import parallel_state
+
+    _HOST_GROUPS.clear()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -40,7 +40,9 @@ class ReplicaChannel:
     def __init__(self) -> None:
         from megatron.core import parallel_state as ps
 
-        self.group = ps.get_model_parallel_group()
+        from megatron_rl.parallel.state import host_model_parallel_group
+
+        self.group = host_model_parallel_group()  # pickled calls are host data: gloo, never NCCL / HCCL
         self.src = ps.get_model_parallel_src_rank()
         self.size = dist.get_world_size(self.group)
         self.is_leader = dist.get_rank() == self.src
@@ -123,9 +125,11 @@ class Replica:
 
     def poll_stop(self) -> bool:
         """True on every rank if any rank of the world was asked to stop (SIGTERM / SIGINT)."""
-        flag = torch.tensor([1 if self.stop.requested else 0], dtype=torch.int64)
+        from megatron_rl.parallel.state import host_world_group
+
+        flag = torch.tensor([1 if self.stop.requested else 0], dtype=torch.int64)  # a host flag: host group
         if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_world_group())
         return bool(flag.item())
 
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
