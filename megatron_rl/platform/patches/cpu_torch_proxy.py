@@ -1,4 +1,5 @@
-"""Give every ``megatron.core`` module a view of ``torch`` whose CUDA-only entry points run on CPU.
+"""Give every ``megatron.core`` module a view of ``torch`` whose CUDA-only entry points run on the
+host device: the CPU, or under the ``emulated`` platform this rank's ``emulated:<local_rank>``.
 
 Why: megatron-core 0.16 calls ``torch.cuda.current_device()`` (~175 sites), builds tensors with
 ``device="cuda"`` (~60 sites: causal masks, schedule token counters, p2p shape buffers) and
@@ -8,9 +9,10 @@ each of those raises "Torch not compiled with CUDA enabled".
 How: the global name ``torch`` inside each ``megatron.core.*`` module is replaced by a proxy
 module. Attribute reads are forwarded to the real torch and cached on the proxy, so after the
 first access there is no per-call overhead; only tensor factories (device argument mapped
-from cuda to cpu) and ``torch.cuda`` (a CPU stand-in) differ. Nothing outside megatron.core
-sees a change, and the real ``torch`` module is untouched. Modules imported later are patched
-by an import hook.
+from cuda to the target device) and ``torch.cuda`` (a stand-in whose current device is the
+target) differ. Nothing outside megatron.core sees a change, and the real ``torch`` module is
+untouched. Modules imported later are patched by an import hook. ``set_target`` picks the
+device (``apply_cpu_patches`` does, once per process).
 
 Versions: megatron-core 0.16.x with torch 2.13 CPU builds. Delete when megatron-core gains a
 device abstraction (or when CPU runs go through a real accelerator plugin).
@@ -45,15 +47,24 @@ _FACTORIES = (
     "rand_like",
     "linspace",
 )
-_CPU = torch.device("cpu")
+_TARGET = {"device": torch.device("cpu")}
 
 
-def _on_cpu(device) -> object:
-    """Map a cuda device spec (``"cuda"``, ``"cuda:0"``, ``torch.device('cuda')``, an int) to cpu."""
+def set_target(device: torch.device) -> None:
+    """The device that stands in for CUDA: ``cpu`` or ``emulated:<local_rank>``."""
+    _TARGET["device"] = torch.device(device)
+
+
+def target_device() -> torch.device:
+    return _TARGET["device"]
+
+
+def _on_target(device) -> object:
+    """Map a cuda device spec (``"cuda"``, ``"cuda:0"``, ``torch.device('cuda')``, an int) to the target."""
     if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
-        return _CPU
+        return _TARGET["device"]
     if isinstance(device, torch.device) and device.type == "cuda":
-        return _CPU
+        return _TARGET["device"]
     return device
 
 
@@ -61,7 +72,7 @@ def _redirect_factory(fn):
     @functools.wraps(fn)
     def factory(*args, **kwargs):
         if "device" in kwargs:
-            kwargs["device"] = _on_cpu(kwargs["device"])
+            kwargs["device"] = _on_target(kwargs["device"])
         kwargs.pop("pin_memory", None)  # pinning needs an accelerator
         return fn(*args, **kwargs)
 
@@ -69,14 +80,15 @@ def _redirect_factory(fn):
 
 
 class _CudaOnCPU(types.ModuleType):
-    """``torch.cuda`` as megatron-core sees it on a CPU build: the CPU generator is the device RNG."""
+    """``torch.cuda`` as megatron-core sees it on a CPU build: the target device is the current
+    device, and the CPU generator is the device RNG (the emulated device's random ops run CPU kernels)."""
 
     def __init__(self):
         super().__init__("torch.cuda")
 
     @staticmethod
     def current_device():
-        return _CPU
+        return _TARGET["device"]
 
     @staticmethod
     def synchronize(device=None):
@@ -97,9 +109,13 @@ class _CudaOnCPU(types.ModuleType):
 
     @staticmethod
     def memory_allocated(device=None):
-        return 0
+        device = _TARGET["device"]
+        return 0 if device.type == "cpu" else torch.emulated.memory_allocated(device)
 
-    max_memory_allocated = memory_allocated
+    @staticmethod
+    def max_memory_allocated(device=None):
+        device = _TARGET["device"]
+        return 0 if device.type == "cpu" else torch.emulated.max_memory_allocated(device)
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
