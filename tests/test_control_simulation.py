@@ -1,6 +1,7 @@
 """The simulated workload, the wall-clock accounting, and the SAGC proof: on heavy-tailed lengths
 SAGC keeps its straggler rate within delta + 0.05 and beats fixed G=16 on wall-clock; without
-stragglers it settles on the largest G. Also runs tools/simulate_sagc.py once."""
+stragglers it settles on the largest G. Also runs tools/simulate_sagc.py --workload synthetic.
+The paper workload (control/workload.py) is tested in test_control_workload.py."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def test_sagc_settles_on_largest_g_without_stragglers():
 @pytest.mark.parametrize("extra", [[], ["--no-stragglers"]])
 def test_cli_prints_one_json_line(extra):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--steps", "1500", *extra],
+        [sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--workload", "synthetic",
+         "--steps", "1500", *extra],
         capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
     )
     lines = proc.stdout.strip().splitlines()

@@ -1,21 +1,27 @@
-"""Simulate SAGC against fixed group sizes on a heavy-tailed rollout workload; print one JSON line.
+"""Simulate SAGC against fixed group sizes; print one JSON line (or a table: --format table).
 
-    python tools/simulate_sagc.py [--steps 4000] [--seed 0] [--delta 0.1] [--tau 3]
-                                  [--no-stragglers]
+    python tools/simulate_sagc.py [--workload paper|synthetic] [--format json|table]
+                                  [--steps N] [--prompts B] [--seed 0] [--delta 0.1] [--tau 3] ...
 
-Each policy (SAGC, and fixed G for every SAGC candidate) runs `--steps` steps of `--prompts`
-prompts on the workload of `megatron_rl/control/simulation.py`: lognormal response lengths
-plus a Pareto runaway tail whose probability grows with G and over the first `ramp_steps`
-steps. Wall-clock: a step lasts overhead + decode time of its longest response; each policy's
-seconds per generated sample are scaled to the same work budget (what fixed G=max generates in
-`--steps` steps), so policies are compared on equal work. Printed per policy: straggler_rate
-(whole run), wall_clock_h, mean_g, final_g, late_straggler_rate and late_mean_g (second half of
-the steps); then the checks:
+--workload paper (default): the SAGC paper's setting, megatron_rl/control/workload.py. SAGC and
+fixed G for every candidate (4, 8, 16) run the same number of steps on the same length stream;
+lengths are lognormal (per-prompt factor, median growing over training, cap), calibrated so that
+fixed G = 16 straggles on 99.6 % of steps (paper, Llama-3.2-3B / DAPO), and the time unit so that
+fixed G = 16 in sync mode takes the paper's 29.50 h. Printed per pipeline mode (sync: train after
+the whole batch is generated; periodic: train each group as it finishes, control/steptime.py)
+and per policy: wall_clock_h, straggler_rate, mean_g, signal_per_h (expected informative groups
+x log2 G per hour, the paper's utility), informative_groups_per_h, informative_samples_per_h,
+signal_total, samples; then `paper` (its four figures) and `vs_paper` (the simulator's
+counterparts, and the lowest straggler rate fixed G = 4 can have if G = 16 straggles on 99.6 % of
+steps and lengths are independent given the prompt: 1 - (1 - 0.996)^(4/16)). No pass/fail checks:
+a benchmark; exit status 0.
+
+--workload synthetic: the earlier scenario (megatron_rl/control/simulation.py: lognormal body,
+Pareto runaways whose probability grows as G^1.7) with its checks, exit status 1 if one fails:
   straggler_within_delta   SAGC's straggler rate <= delta + 0.05
-  faster_than_fixed_<max>  SAGC's wall-clock < fixed largest G's        (default workload)
+  faster_than_fixed_<max>  SAGC's wall-clock < fixed largest G's        (default)
   settles_on_largest_g     SAGC uses the largest candidate in every step of the second half
                            (with --no-stragglers)
-Exit status 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -25,65 +31,159 @@ import dataclasses
 import json
 import sys
 
+from megatron_rl.control import workload as wl
 from megatron_rl.control.sagc import SAGCSettings
-from megatron_rl.control.simulation import (
-    CostModel,
-    LengthModel,
-    PolicyResult,
-    compare_policies,
-)
+from megatron_rl.control.signal import PassRateModel
+from megatron_rl.control.simulation import CostModel, LengthModel, compare_policies
+from megatron_rl.control.steptime import StepTimeModel
 
-SLACK = 0.05  # allowed excess of the long-run straggler rate over delta
+SLACK = 0.05  # synthetic workload: allowed excess of the long-run straggler rate over delta
+DEFAULTS = {"paper": {"steps": wl.ASSUMED_STEPS, "prompts": wl.ASSUMED_PROMPTS_PER_STEP},
+            "synthetic": {"steps": 4000, "prompts": 8}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags; SAGC defaults come from SAGCSettings."""
+    """Command-line flags; SAGC defaults come from SAGCSettings, workload ones from workload.py."""
     d = SAGCSettings()
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--steps", type=int, default=4000, help="training steps per policy")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--workload", choices=("paper", "synthetic"), default="paper")
+    p.add_argument("--format", choices=("json", "table"), default="json",
+                   help="one JSON line (default) or a readable table")
+    p.add_argument("--steps", type=int, help="training steps per policy (paper 500, synthetic 4000)")
+    p.add_argument("--prompts", type=int, help="prompts per step (paper 32, synthetic 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths and of SAGC's sampler")
     p.add_argument("--delta", type=float, default=d.delta, help="target straggler rate")
     p.add_argument("--tau", type=float, default=d.tau, help="straggler threshold, max/median")
     p.add_argument("--gamma", type=float, default=d.gamma, help="posterior forgetting factor")
     p.add_argument("--eta", type=float, default=d.eta, help="dual step size")
     p.add_argument("--lambda-max", type=float, default=d.lambda_max, help="clip of lambda")
-    p.add_argument("--no-stragglers", action="store_true", help="remove the runaway tail")
-    return p.parse_args(argv)
+    p.add_argument("--pass-rate", type=float, default=wl.ASSUMED_PASS_RATE_MEAN,
+                   help="paper: mean per-prompt pass rate (Beta, concentration 2)")
+    p.add_argument("--decode-iter-s", type=float, default=wl.ASSUMED_DECODE_ITER_S,
+                   help="paper: seconds per decode iteration (before calibration)")
+    p.add_argument("--decode-seq-s", type=float, default=wl.ASSUMED_DECODE_SEQ_S,
+                   help="paper: seconds per running sequence per decode iteration")
+    p.add_argument("--train-token-s", type=float, default=wl.ASSUMED_TRAIN_TOKEN_S,
+                   help="paper: training seconds per token")
+    p.add_argument("--sync-s", type=float, default=wl.ASSUMED_SYNC_S,
+                   help="paper: optimizer step + weight sync seconds")
+    p.add_argument("--no-stragglers", action="store_true",
+                   help="synthetic: remove the runaway tail")
+    args = p.parse_args(argv)
+    for name, value in DEFAULTS[args.workload].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
-def _row(result: PolicyResult) -> dict[str, float | int]:
-    row = dataclasses.asdict(result)
+def _round(row: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the comparison, print one JSON line, return 0 if every check holds."""
-    args = parse_args(argv)
-    try:
-        settings = SAGCSettings(
-            delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta, lambda_max=args.lambda_max, seed=args.seed
-        )
-    except ValueError as err:  # a bad flag value: report it like argparse does, no traceback
-        print(f"simulate_sagc.py: error: {err}", file=sys.stderr)
-        return 2
+def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
+    """The paper workload: both modes, every policy, and the comparison with the paper."""
+    work = wl.Workload(
+        steps=args.steps, prompts=args.prompts,
+        lengths=wl.ReasoningLengths(ramp_steps=args.steps),
+        step_time=StepTimeModel(decode_iter_s=args.decode_iter_s, decode_seq_s=args.decode_seq_s,
+                                train_token_s=args.train_token_s, sync_s=args.sync_s,
+                                prompt_tokens=wl.ASSUMED_PROMPT_TOKENS),
+        pass_rates=PassRateModel(mean=args.pass_rate,
+                                 concentration=wl.ASSUMED_PASS_RATE_CONCENTRATION))
+    results = wl.compare_on_workload(settings, work, seed=args.seed)
+    report: dict = {"workload": "paper"}
+    for mode, rows in results.items():
+        report[mode] = {name: _round(dataclasses.asdict(r)) for name, r in rows.items()}
+    g_max = settings.candidates[-1]
+    ratio = {mode: rows["sagc"].wall_clock_h / rows[f"fixed_{g_max}"].wall_clock_h
+             for mode, rows in results.items()}
+    report["paper"] = {
+        "run": "Llama-3.2-3B / DAPO (summary sec. 4)",
+        "fixed_16_straggler_rate": wl.PAPER_FIXED_G16_STRAGGLER_RATE,
+        "sagc_straggler_rate": wl.PAPER_SAGC_STRAGGLER_RATE,
+        "fixed_16_hours": wl.PAPER_FIXED_G16_HOURS, "sagc_hours": wl.PAPER_SAGC_HOURS,
+        "sagc_over_fixed_16_hours": round(wl.PAPER_SAGC_HOURS / wl.PAPER_FIXED_G16_HOURS, 4)}
+    report["vs_paper"] = _round({
+        "fixed_16_straggler_rate": results["sync"][f"fixed_{g_max}"].straggler_rate,
+        "sagc_straggler_rate": results["sync"]["sagc"].straggler_rate,
+        "sagc_over_fixed_16_hours_sync": ratio["sync"],
+        "sagc_over_fixed_16_hours_periodic": ratio["periodic"],
+        "min_g4_straggler_rate_if_independent":
+            1.0 - (1.0 - wl.PAPER_FIXED_G16_STRAGGLER_RATE) ** (4 / 16)})
+    report["calibrated"] = ["response_sigma: fixed_16 straggler rate = paper's",
+                            "time unit: fixed_16 sync wall-clock = paper's"]
+    report.update(delta=args.delta, tau=args.tau, steps=args.steps, prompts=args.prompts)
+    return report
+
+
+def run_synthetic(args: argparse.Namespace, settings: SAGCSettings) -> dict:
+    """The earlier synthetic scenario and its checks (report["checks"])."""
     lengths = LengthModel()
     if args.no_stragglers:
         lengths = dataclasses.replace(lengths, tail_prob=0.0)
-    results = compare_policies(
-        settings=settings, steps=args.steps, prompts=args.prompts, seed=args.seed, lengths=lengths, cost=CostModel()
-    )
+    results = compare_policies(settings=settings, steps=args.steps, prompts=args.prompts,
+                               seed=args.seed, lengths=lengths, cost=CostModel())
     sagc, g_max = results["sagc"], settings.candidates[-1]
     checks = {"straggler_within_delta": sagc.straggler_rate <= args.delta + SLACK}
     if args.no_stragglers:
         checks["settles_on_largest_g"] = sagc.late_mean_g == g_max and sagc.final_g == g_max
     else:
-        fixed_max = results[f"fixed_{g_max}"]
-        checks[f"faster_than_fixed_{g_max}"] = sagc.wall_clock_h < fixed_max.wall_clock_h
-    report = {name: _row(r) for name, r in results.items()}
+        checks[f"faster_than_fixed_{g_max}"] = sagc.wall_clock_h < results[f"fixed_{g_max}"].wall_clock_h
+    report: dict = {"workload": "synthetic"}
+    report.update({name: _round(dataclasses.asdict(r)) for name, r in results.items()})
     report.update(delta=args.delta, tau=args.tau, steps=args.steps, checks=checks)
-    print(json.dumps(report))
-    return 0 if all(checks.values()) else 1
+    return report
+
+
+PAPER_COLUMNS = (("wall_clock_h", "wall h", "{:8.2f}"), ("straggler_rate", "straggler", "{:9.1%}"),
+                 ("mean_g", "mean G", "{:6.2f}"), ("signal_per_h", "signal/h", "{:8.0f}"),
+                 ("informative_groups_per_h", "inf.groups/h", "{:12.0f}"),
+                 ("informative_samples_per_h", "inf.samples/h", "{:13.0f}"),
+                 ("signal_total", "signal total", "{:12.0f}"))
+
+
+def format_table(report: dict) -> str:
+    """Readable table of a report (paper: per mode; synthetic: one block)."""
+    if report["workload"] == "synthetic":
+        names = [k for k in report if k == "sagc" or k.startswith("fixed_")]
+        lines = [f"{'policy':10s} {'wall h':>8s} {'straggler':>9s} {'mean G':>6s}"]
+        lines += [f"{n:10s} {report[n]['wall_clock_h']:8.2f} {report[n]['straggler_rate']:9.1%} "
+                  f"{report[n]['mean_g']:6.2f}" for n in names]
+        return "\n".join(lines + [f"checks: {report['checks']}"])
+    lines = []
+    for mode in ("sync", "periodic"):
+        head = " ".join(f"{title:>{len(fmt.format(0))}s}" for _, title, fmt in PAPER_COLUMNS)
+        lines += [f"[{mode}]", f"{'policy':10s} {head}"]
+        for name, row in report[mode].items():
+            cells = " ".join(fmt.format(row[key]) for key, _, fmt in PAPER_COLUMNS)
+            lines.append(f"{name:10s} {cells}")
+    paper, ours = report["paper"], report["vs_paper"]
+    lines += [
+        f"paper ({paper['run']}): fixed 16 {paper['fixed_16_hours']} h, "
+        f"{paper['fixed_16_straggler_rate']:.1%} straggler; SAGC {paper['sagc_hours']} h "
+        f"({paper['sagc_over_fixed_16_hours']:.2f} x), {paper['sagc_straggler_rate']:.1%} straggler",
+        f"simulator: fixed 16 {ours['fixed_16_straggler_rate']:.1%} (calibrated); SAGC "
+        f"{ours['sagc_over_fixed_16_hours_sync']:.2f} x sync, "
+        f"{ours['sagc_over_fixed_16_hours_periodic']:.2f} x periodic, "
+        f"{ours['sagc_straggler_rate']:.1%} straggler; fixed 4 cannot straggle on fewer than "
+        f"{ours['min_g4_straggler_rate_if_independent']:.1%} of steps if lengths are independent "
+        f"given the prompt"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen workload, print one JSON line (or a table); exit 1 if a check fails."""
+    args = parse_args(argv)
+    try:
+        settings = SAGCSettings(delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta,
+                                lambda_max=args.lambda_max, seed=args.seed)
+        run = run_paper if args.workload == "paper" else run_synthetic
+        report = run(args, settings)
+    except ValueError as err:  # a bad flag value: report it like argparse does, no traceback
+        print(f"simulate_sagc.py: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if args.format == "json" else format_table(report))
+    return 0 if all(report.get("checks", {}).values()) else 1
 
 
 if __name__ == "__main__":
