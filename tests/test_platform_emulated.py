@@ -116,3 +116,13 @@ def test_env_override_wins_over_the_requested_platform(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_PLATFORM", "tpu")
     with pytest.raises(ValueError, match="MEGATRON_RL_PLATFORM='tpu'"):
         detect_platform("cpu")
+
+
+def test_step_metrics_report_transfers_per_step():
+    from megatron_rl.trainer.metrics import transfer_metrics
+
+    transfer_metrics()  # the baseline
+    torch.ones(2).to(DEV).sum().item()
+    metrics = transfer_metrics()
+    assert (metrics["transfers/h2d"], metrics["transfers/d2h"], metrics["transfers/d2h_bytes"]) == (1.0, 1.0, 4.0)
+    assert transfer_metrics()["transfers/h2d"] == 0.0

@@ -98,7 +98,24 @@ def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seco
     if stepped:
         metrics.update(stepped[-1].metrics)
     metrics.update(memory.as_metrics())
+    metrics.update(transfer_metrics())
     return metrics
+
+
+_LAST_TRANSFERS: dict[str, object] = {}
+
+
+def transfer_metrics() -> dict[str, float]:
+    """``transfers/*``: host<->device copies (a ``.item()`` is one d2h) since the previous call, on
+    platforms that count them (the emulated accelerator); nothing elsewhere."""
+    from megatron_rl.platform import emulated
+
+    if not emulated.is_loaded():
+        return {}
+    now = emulated.transfer_counts()
+    delta = now - _LAST_TRANSFERS.get("counts", emulated.TransferCounts())
+    _LAST_TRANSFERS["counts"] = now
+    return {f"transfers/{name}": float(getattr(delta, name)) for name in ("h2d", "d2h", "h2d_bytes", "d2h_bytes")}
 
 
 # The trainer's phases (Replica.seconds); with the queue wait and idle they make up the step.
