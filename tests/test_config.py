@@ -138,7 +138,8 @@ def test_minimal_config_gets_the_documented_defaults(tmp_path):
 def test_scientific_notation_and_ints_are_floats(tmp_path):
     text = MINIMAL.replace("steps: 3", "steps: 3\n  lr: 3e-6\n  weight_decay: 1\n  grad_clip: 1.5E+1")
     text += "algorithm:\n  advantage: {eps: 1.0e8}\n"
-    cfg = load(tmp_path, text, ["algorithm.kl.coef=2e-3", "rollout.vllm.gpu_memory_utilization=5e-1"])
+    cfg = load(tmp_path, text, ["algorithm.kl.coef=2e-3", "rollout.engine=vllm",
+                                "rollout.vllm.gpu_memory_utilization=5e-1"])
     assert cfg.rollout.vllm == {"gpu_memory_utilization": 0.5}  # pass-through values are YAML 1.2 floats too
     values = (
         cfg.trainer.lr,
@@ -256,6 +257,7 @@ def test_overrides_parse_yaml_scalars(tmp_path):
             "control.sagc.candidates=[4,8]",
             "control.group_size=4",
             "trainer.save_dir=null",
+            "rollout.engine=vllm",
             "rollout.vllm.gpu_memory_utilization=0.5",
             "trainer.lr=2e-5",
             "algorithm.clip={low: 0.1, high: 0.3}",
@@ -365,6 +367,11 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
         (["rollout.devices=[cpu:1]", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
          {"rollout.tensor_parallel_size"}, ["use 1 on CPU"]),
         (["rollout.tensor_parallel_size=2"], {"rollout.tensor_parallel_size"}, ["hf engine runs one device"]),
+        (["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], {"rollout.tensor_parallel_size"},
+         ["CPU engine 'cpu'", "use 1 on CPU"]),
+        (["rollout.vllm={max_model_len: 64}"], {"rollout.vllm"}, ["only for rollout.engine 'vllm'", "'hf'"]),
+        (["rollout.max_batch_size=0"], {"rollout.max_batch_size"}, ["> 0"]),
+        (["algorithm.behav_weight_cap=0.5"], {"algorithm.behav_weight_cap"}, ["> 1"]),
         (["data.source=prompts.csv"], {"data.source"}, ["reasoning_gym:<dataset>"]),
         (["data.source=prompts.jsonl", "data.options={min_terms: 2}"], {"data.options"}, ["reasoning_gym dataset"]),
         (["reward.fn=my pkg:fn"], {"reward.fn"}, ["pkg.mod:function"]),

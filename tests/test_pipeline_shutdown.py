@@ -118,7 +118,7 @@ def test_close_is_idempotent_and_a_closed_pipeline_refuses_work():
 
 def test_bad_settings_are_named():
     engine = FakeEngine()
-    with pytest.raises(ValueError, match="max_staleness must be >= 1 in stale mode"):
+    with pytest.raises(ValueError, match="'stale' needs max_staleness >= 1"):
         make_pipeline(engine, mode="stale")
     with pytest.raises(ValueError, match="queue_size"):
         make_pipeline(engine, queue_size=0)

@@ -34,15 +34,17 @@ def test_parse_device_rejects(text):
     ({"max_restarts": -1}, "rollout.max_restarts"),
     ({"num_engines": 2, "devices": ("cpu:0",)}, "rollout.devices"),
     ({"engine": "vllm", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
-    ({"engine": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices\[0\]"),
+    ({"engine": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices: \[0\] = 'cuda:0'"),
     ({"tensor_parallel_size": 2, "devices": ("cuda:0,1",)}, "rollout.tensor_parallel_size"),
     ({"model_path": "/nonexistent/model"}, "model.hf_path"),
-    ({"vllm": {"max_model_len": 64}}, "rollout.vllm is set"),
+    ({"vllm": {"max_model_len": 64}}, "rollout.vllm: is only for rollout.engine 'vllm'"),
+    ({"dtype": "float16"}, "rollout.dtype"),  # the schema's DType: float16 is not a trainer or engine dtype
+    ({"model_dtype": "float16"}, "model.dtype"),
 ])
 def test_settings_errors_name_the_field(tmp_path, changes, field):
-    settings = EngineSettings(**{"model_path": str(tmp_path)} | changes)
+    # refused when built (the config's own rollout rules) or, for the weights, when the specs are made
     with pytest.raises(ValueError, match=field):
-        worker_specs(settings)
+        worker_specs(EngineSettings(**{"model_path": str(tmp_path)} | changes))
 
 
 def test_worker_specs_one_per_device(tmp_path):

@@ -4,7 +4,10 @@
     dp = validate_world(cfg, world_size)
 
 Modules: `schema` (the dataclasses), `convert` (plain data <-> dataclasses), `loader` (YAML,
-overrides, round trip), `validate` (ranges, cross-field rules, world size), `errors`.
+overrides, round trip), `fields` (one-field types and bounds), `sections` (the rules within a
+section, also run by component settings), `validate` (rules across sections, world size),
+`model_shape` (TP / PP vs the model), `devices` (rollout.devices strings), `resources` (what
+the config points at: data file, model files, dotted paths), `errors`.
 """
 
 from .errors import ConfigError, Problem

@@ -7,7 +7,8 @@ key, wrong type and missing required key (each named by dotted path, placed by `
 Supported annotations: int, float, bool, str, Any, Literal[...], Optional[X] / X | None,
 list[X], dict[str, X] and nested dataclasses. Strict: a bool is not an int, an int is not a
 str; an int is accepted for a float, and so is a string in scientific notation ("1e-6",
-which YAML 1.1 leaves as a string). Range and cross-field checks are `validate.py`'s job.
+which YAML 1.1 leaves as a string). `type_problems` runs the same checks on one value. Range
+and cross-field checks are `fields.py`'s, `sections.py`'s and `validate.py`'s job.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def from_plain(cls: type, data: Any, *, origins: Origins | None = None) -> Any:
 def to_plain(obj: Any) -> dict[str, Any]:
     """Dataclass -> nested dicts/lists/scalars (deep copy), ready for YAML or JSON."""
     return dataclasses.asdict(obj)
+
+
+def type_problems(tp: Any, value: Any, key: str) -> list[tuple[str, str]]:
+    """``(key, message)`` for each way `value` does not fit annotation `tp` (the checks and the
+    messages of loading), e.g. for a settings object built from Python; [] when it fits."""
+    conv = _Converter(Origins())
+    conv.convert(tp, value, key)
+    return [(p.key, p.message) for p in conv.problems]
 
 
 def field_types(cls: type) -> dict[str, Any]:

@@ -4,8 +4,10 @@ Contract: class and field names are the YAML keys (``algorithm.clip.high`` is
 ``Config.algorithm.clip.high``) and are imported by the rest of the package. A field without
 a default is required. Only the types the converter in `convert.py` understands appear here:
 int, float, bool, str, Literal, X | None, list[int] / list[str], nested dataclasses, and
-``dict[str, Any]`` for options passed through untouched to megatron-core or vLLM. Per-field
-checks and cross-field rules live in `validate.py`, not here.
+``dict[str, Any]`` for options passed through untouched to megatron-core or vLLM. The rules
+on a section's values live in `fields.py` (one field) and `sections.py` (several fields of one
+section), the rules across sections in `validate.py`; components built from Python run the
+same functions. Name lists (backends, dtypes, modes) are ``get_args`` of the Literals below.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_trunc
 AlarmAction = Literal["warn", "stop"]
 EngineName = Literal["vllm", "hf"]
 WeightSync = Literal["snapshot", "broadcast", "shared_memory"]
+DeviceKind = Literal["cpu", "cuda", "npu"]  # the kinds a rollout.devices string may start with
+BuiltinController = Literal["fixed", "sagc"]  # control.kind names; any other kind is a dotted path
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.config.model_shape import parallel_fit  # the config's TP / PP rule, re-exported
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -151,23 +153,6 @@ def transformer_config_from_spec(
             raise ValueError(f"model.megatron.{key}: not a megatron-core TransformerConfig field")
         kwargs[key] = value
     return TransformerConfig(**kwargs)
-
-
-def parallel_fit(sizes: Mapping[str, int], num_layers: int, tp: int, pp: int) -> tuple[str | None, str | None]:
-    """Why ``tp`` / ``pp`` cannot shard a model, as ``(tp_problem, pp_problem)``; None where they fit.
-
-    megatron shards attention heads, KV heads (query groups) and the FFN across TP, and the
-    layers across PP. ``sizes`` maps HF field names to the sizes TP must divide.
-    """
-    tp_problem = pp_problem = None
-    bad = [f"{name} ({n})" for name, n in sizes.items() if n % tp]
-    if bad:
-        valid = [d for d in range(1, max(sizes.values()) + 1) if all(n % d == 0 for n in sizes.values())]
-        tp_problem = f"{tp} does not divide {', '.join(bad)}; valid tp: {valid}"
-    if num_layers % pp:
-        valid = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-        pp_problem = f"{pp} does not divide num_hidden_layers ({num_layers}); valid pp: {valid}"
-    return tp_problem, pp_problem
 
 
 def check_parallel_fit(spec: DecoderSpec, tp: int, pp: int) -> None:

@@ -32,7 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import PipelineConfig, SamplingConfig, TrainerConfig
+from megatron_rl.config.sections import require_valid
 from megatron_rl.control import GroupSizeController
 from megatron_rl.pipeline.batching import StepBatch
 from megatron_rl.pipeline.producer import Detokenize, GroupScoring, Producer, PromptSource, RewardCallable
@@ -42,7 +44,6 @@ from megatron_rl.pipeline.versions import (
     PolicyVersions,
     StalenessStats,
     VersionSchedule,
-    check_mode,
     staleness_stats,
 )
 from megatron_rl.rollout.types import RolloutEngine, SamplingSettings
@@ -66,10 +67,8 @@ class PipelineSettings(PipelineConfig):
     gil_switch_interval_s: float | None = 0.0005
 
     def __post_init__(self) -> None:
-        check_mode(self.mode, self.max_staleness)
-        for name in ("queue_size", "micro_batch_tokens", "mini_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"pipeline.{name} must be >= 1, got {getattr(self, name)}")
+        require_valid(self, "pipeline")  # the config's own pipeline rules
+        require_values({"trainer.mini_batches": self.mini_batches})
         for name in ("poll_s", "join_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"pipeline.{name} must be > 0, got {getattr(self, name)}")

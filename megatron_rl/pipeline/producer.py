@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_rl.algorithms import AdvantageScale, dynamic_sampling_keep, group_advantages, overlong_reward_delta
+from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import AdvantageConfig, AlgorithmConfig
 from megatron_rl.control import GroupSizeController
 from megatron_rl.pipeline.records import (
@@ -96,11 +97,8 @@ class GroupScoring:
     eps: float = AdvantageConfig.eps  # added to the group std before dividing (algorithm.advantage.eps)
 
     def __post_init__(self) -> None:
-        if self.advantage_scale not in ("group", "none"):
-            raise ValueError(
-                f"advantage scale {self.advantage_scale!r} is not supported by the pipeline: groups are scored "
-                "as they complete, so only 'group' or 'none' can be used"
-            )
+        # the config's rules: groups are scored as they complete, so 'batch' is refused
+        require_values({"algorithm.advantage.scale": self.advantage_scale, "algorithm.advantage.eps": self.eps})
 
 
 def score_group(*, step: int, prompt_index: int, samples: Sequence[Sample], scoring: GroupScoring) -> ScoredGroup:

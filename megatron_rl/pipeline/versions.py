@@ -22,21 +22,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
 
+from megatron_rl.config.fields import raise_found, require_values
 from megatron_rl.config.schema import PipelineMode
+from megatron_rl.config.sections import staleness_rule
 
 PIPELINE_MODES: tuple[str, ...] = get_args(PipelineMode)
 
 
 def check_mode(mode: str, max_staleness: int) -> None:
-    """``ValueError`` unless (mode, max_staleness) is valid: stale needs k >= 1, the others k = 0."""
-    if mode not in PIPELINE_MODES:
-        raise ValueError(f"pipeline.mode must be one of {PIPELINE_MODES}, got {mode!r}")
-    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int):
-        raise ValueError(f"pipeline.max_staleness must be an int, got {max_staleness!r}")
-    if mode == "stale" and max_staleness < 1:
-        raise ValueError(f"pipeline.max_staleness must be >= 1 in stale mode, got {max_staleness}")
-    if mode != "stale" and max_staleness != 0:
-        raise ValueError(f"pipeline.max_staleness must be 0 in {mode} mode (on-policy), got {max_staleness}")
+    """``ValueError`` unless (mode, max_staleness) is valid: the config's own ``pipeline`` rules
+    (stale needs k >= 1, the others k = 0), naming pipeline.mode / pipeline.max_staleness."""
+    require_values({"pipeline.mode": mode, "pipeline.max_staleness": max_staleness})
+    raise_found(staleness_rule(mode, max_staleness))
 
 
 @dataclass(frozen=True, kw_only=True)

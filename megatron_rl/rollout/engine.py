@@ -11,12 +11,10 @@ from megatron_rl.rollout.worker import WorkerSpec
 
 
 def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
-    """One ``WorkerSpec`` per worker (validates ``settings``)."""
+    """One ``WorkerSpec`` per worker (``settings`` were checked when built; the weights must exist)."""
     devices = settings.device_assignments()
     if not Path(settings.model_path).is_dir():
         raise ValueError(f"model.hf_path: the engines' weights {settings.model_path!r} are not a directory")
-    if settings.vllm and settings.engine != "vllm":
-        raise ValueError(f"rollout.vllm is set but rollout.engine={settings.engine!r}; it is only for 'vllm'")
     return [
         WorkerSpec(
             index=i, backend=settings.engine, model_path=str(settings.model_path), device=device,

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import SamplingConfig
 
 
@@ -28,12 +29,10 @@ class SamplingSettings:
     seed: int | None = None  # per-request seed: the same request gives the same sample
 
     def __post_init__(self) -> None:
+        # A request may be greedy (0); the config's rollout.sampling.temperature is > 0 (log-probs need it).
         if self.temperature < 0:
             raise ValueError(f"sampling.temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+        require_values({"rollout.sampling.top_p": self.top_p, "rollout.sampling.max_new_tokens": self.max_new_tokens})
 
 
 @dataclass(frozen=True, kw_only=True)

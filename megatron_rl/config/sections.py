@@ -1,0 +1,231 @@
+"""Each config section's own validation: every field (`fields.check_value`), then the rules
+between fields of that one section (clip high vs low, devices vs engines, the staleness of a
+pipeline mode, the SAGC candidates, ...).
+
+Contract: `check_section(obj, key)` yields ``(key, message)`` for the section at dotted `key`
+(``""`` = the whole `Config`) and every section under it; `obj` is the schema's dataclass or a
+component settings class extending it (``EngineSettings`` is ``rollout``). The rules run only
+when every field passed (`check_fields`, then `check_rules`). `require_valid(obj, key)` raises them as one `ConfigError`
+(a ``ValueError``). The rule functions below are also called directly by components that hold
+the same values under other names (``LossSettings``, ``VersionSchedule``, ``SAGCSettings``).
+Rules across sections are `validate.py`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, get_args
+
+from .convert import field_types
+from .devices import parse_device
+from .errors import suggest
+from .fields import Found, check_value, raise_found, schema_type
+from .model_shape import check_megatron_passthrough
+from .schema import BuiltinController, Config
+
+DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # "pkg.mod:Name"
+BUILTIN_CONTROLLERS: tuple[str, ...] = get_args(BuiltinController)
+
+
+def check_section(obj: Any, key: str = "") -> Found:
+    """Every field of the section at `key` and of its sub-sections, then the rules of each
+    section whose fields passed."""
+    fields_found = list(check_fields(obj, key))
+    yield from fields_found or check_rules(obj, key)
+
+
+def check_fields(obj: Any, key: str = "") -> Found:
+    """`fields.check_value` on every field of the section at `key` and of its sub-sections."""
+    for name, tp in field_types(schema_type(key) if key else Config).items():
+        sub = f"{key}.{name}" if key else name
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(tp) and dataclasses.is_dataclass(value):
+            yield from check_fields(value, sub)
+        else:
+            yield from check_value(sub, value)
+
+
+def check_rules(obj: Any, key: str = "") -> Found:
+    """The rules within each section at or under `key` (its fields assumed valid)."""
+    for name, tp in field_types(schema_type(key) if key else Config).items():
+        if dataclasses.is_dataclass(tp):
+            yield from check_rules(getattr(obj, name), f"{key}.{name}" if key else name)
+    rule = SECTION_RULES.get(key)
+    if rule is not None:
+        yield from rule(obj)
+
+
+def require_valid(obj: Any, key: str) -> None:
+    """Raise one `ConfigError` listing the problems `check_section(obj, key)` finds."""
+    raise_found(check_section(obj, key))
+
+
+def clip_rule(low: float, high: float) -> Found:
+    """Clip range [1 - low, 1 + high]: high >= low (DAPO's clip-higher: high > low)."""
+    if not high >= low:
+        yield "algorithm.clip.high", f"must be >= algorithm.clip.low ({low}), got {high!r}"
+
+
+def decoupled_correction_rule(loss: str, mode: str) -> Found:
+    """ppo_decoupled takes no second (truncated) importance weight."""
+    if mode.endswith("_truncate") and loss == "ppo_decoupled":
+        yield (
+            "algorithm.rollout_correction.mode",
+            f"{mode!r} with algorithm.loss 'ppo_decoupled' would weight twice (the behaviour weight "
+            "π_prox/π_behav is the importance weight); use 'token_mask', 'sequence_mask' or 'none', and "
+            "algorithm.behav_weight_cap to bound the behaviour weight",
+        )
+
+
+def staleness_rule(mode: str, max_staleness: int) -> Found:
+    """stale mode lets samples lag max_staleness >= 1 versions; sync and periodic are on-policy (0)."""
+    if mode == "stale" and max_staleness < 1:
+        need = "max_staleness >= 1 (the policy versions a sample may lag)"
+        yield "pipeline.max_staleness", f"pipeline.mode 'stale' needs {need}, got {max_staleness}"
+    elif mode != "stale" and max_staleness > 0:
+        fix = "set it to 0 or use pipeline.mode 'stale'"
+        yield "pipeline.max_staleness", f"{max_staleness} > 0 needs pipeline.mode 'stale', got {mode!r}; {fix}"
+
+
+def candidates_rule(candidates: Sequence[int]) -> Found:
+    """SAGC candidates: a non-empty, strictly increasing list of positive group sizes."""
+    if not candidates or candidates[0] < 1 or any(a >= b for a, b in itertools.pairwise(candidates)):
+        yield "control.sagc.candidates", f"must be a non-empty, strictly increasing list, got {list(candidates)}"
+
+
+def group_size_rule(kind: str, group_size: int, candidates: Sequence[int]) -> Found:
+    """sagc starts at control.group_size, so it must be a candidate."""
+    if kind == "sagc" and group_size not in candidates:
+        yield "control.group_size", f"{group_size} must be one of control.sagc.candidates {list(candidates)}"
+
+
+def _algorithm(a: Any) -> Found:
+    yield from decoupled_correction_rule(a.loss, a.rollout_correction.mode)
+
+
+def _clip(c: Any) -> Found:
+    yield from clip_rule(c.low, c.high)
+
+
+def _rollout_correction(rc: Any) -> Found:
+    """c_min < c_max; truncation needs a bound."""
+    key = "algorithm.rollout_correction"
+    if rc.c_min is not None and rc.c_max is not None and not rc.c_min < rc.c_max:
+        yield f"{key}.c_min", f"must be < {key}.c_max ({rc.c_max}), got {rc.c_min!r}"
+    if rc.mode.endswith("_truncate") and rc.c_min is None and rc.c_max is None:
+        yield f"{key}.mode", f"{rc.mode!r} needs c_min or c_max; set one, or use mode 'none'"
+
+
+def _pipeline(p: Any) -> Found:
+    yield from staleness_rule(p.mode, p.max_staleness)
+
+
+def _rollout(r: Any) -> Found:
+    """Engines vs devices vs TP, the vllm pass-through, the sync address."""
+    yield from _engine_devices(r)
+    if r.vllm and r.engine != "vllm":
+        yield "rollout.vllm", f"is only for rollout.engine 'vllm', got {r.engine!r}; remove it or use 'vllm'"
+    yield from _sync_address(r.sync_address)
+
+
+def _engine_devices(r: Any) -> Found:
+    """One device string per engine (``["cuda:0,1", "cuda:2,3"]`` for 2 engines at TP 2), each
+    naming one device per engine TP rank; CPU engines (and the hf engine) run TP 1."""
+    if r.engine == "hf" and r.tensor_parallel_size != 1:
+        yield "rollout.tensor_parallel_size", f"{r.tensor_parallel_size}, but the hf engine runs one device: use 1"
+        return
+    if r.devices and len(r.devices) != r.num_engines:
+        yield "rollout.devices", (f"lists {len(r.devices)} entries but rollout.num_engines = {r.num_engines}; give one "
+                                  "device string per engine, e.g. 'cuda:0,1' for an engine at tensor_parallel_size 2")
+        return
+    for i, text in enumerate(r.devices or ["cpu"]):  # no devices: unpinned CPU engines
+        try:
+            device = parse_device(text, f"rollout.devices[{i}]")
+        except ValueError as err:
+            yield "rollout.devices", str(err)
+            continue
+        if device.kind == "cpu" and r.tensor_parallel_size != 1:
+            yield "rollout.tensor_parallel_size", f"{r.tensor_parallel_size} with CPU engine {text!r}: use 1 on CPU"
+        elif device.kind != "cpu" and len(device.ids) != r.tensor_parallel_size:
+            yield "rollout.devices", (f"[{i}] = {text!r} names {len(device.ids)} devices but "
+                                      f"rollout.tensor_parallel_size = {r.tensor_parallel_size}")
+
+
+def _sync_address(text: str) -> Found:
+    """The weight-sync listeners bind to one IP address of this machine, never all interfaces."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        yield "rollout.sync_address", f"{text!r} is not an IP address; use e.g. 127.0.0.1 (loopback, one node)"
+        return
+    if address.is_unspecified:
+        yield "rollout.sync_address", f"{text!r} would listen on every interface; give one address, e.g. 127.0.0.1"
+
+
+def _control(c: Any) -> Found:
+    """Controller name and options; the starting G; every group size >= 2."""
+    builtin = c.kind in BUILTIN_CONTROLLERS
+    if not builtin and not DOTTED_PATH.match(c.kind):
+        hint = suggest(c.kind, BUILTIN_CONTROLLERS)
+        yield "control.kind", f"{c.kind!r} is not fixed, sagc or a dotted path 'pkg.mod:Class' ({hint})"
+    if builtin and c.options:
+        yield "control.options", f"are only for a dotted-path control.kind, not {c.kind!r}; remove them"
+    yield from group_size_rule(c.kind, c.group_size, c.sagc.candidates)
+    sizes = {"control.group_size": [c.group_size]}
+    if c.kind == "sagc":
+        sizes["control.sagc.candidates"] = c.sagc.candidates
+    for key, values in sizes.items():
+        if min(values, default=2) < 2:  # A_i = r_i - group mean is 0 for a group of one
+            yield key, f"group size {min(values)} < 2 makes every advantage 0; use group sizes >= 2"
+
+
+def _sagc(s: Any) -> Found:
+    yield from candidates_rule(s.candidates)
+
+
+def _data(d: Any) -> Found:
+    """Forms of data.source and data.options (the file itself: `resources.py`)."""
+    src = d.source
+    if not (re.fullmatch(r"reasoning_gym:\w+", src) or src.endswith((".jsonl", ".parquet"))):
+        yield "data.source", f"{src!r} is neither 'reasoning_gym:<dataset>' nor a .jsonl / .parquet path"
+    if d.options and not src.startswith("reasoning_gym:"):
+        yield "data.options", f"are keyword arguments of a reasoning_gym dataset; {src!r} takes none"
+
+
+def _reward(r: Any) -> Found:
+    """Form of reward.fn (whether it imports: `resources.py`)."""
+    fn = r.fn
+    if not fn or (":" in fn and not DOTTED_PATH.match(fn)) or (":" not in fn and not fn.isidentifier()):
+        yield "reward.fn", f"{fn!r} is neither a builtin reward name nor a dotted path 'pkg.mod:function'"
+
+
+def _trainer(t: Any) -> Found:
+    """Each optimizer step takes prompts_per_batch / mini_batches prompts; saving needs a place."""
+    if t.prompts_per_batch % t.mini_batches:
+        ppb = f"trainer.prompts_per_batch ({t.prompts_per_batch})"
+        yield "trainer.mini_batches", f"{t.mini_batches} does not divide {ppb}"
+    if t.save_every > 0 and t.save_dir is None:
+        yield "trainer.save_every", f"{t.save_every} > 0 needs trainer.save_dir"
+
+
+def _model(m: Any) -> Found:
+    yield from check_megatron_passthrough(m.megatron)
+
+
+SECTION_RULES: dict[str, Callable[[Any], Found]] = {
+    "model": _model,
+    "algorithm": _algorithm,
+    "algorithm.clip": _clip,
+    "algorithm.rollout_correction": _rollout_correction,
+    "rollout": _rollout,
+    "pipeline": _pipeline,
+    "control": _control,
+    "control.sagc": _sagc,
+    "data": _data,
+    "reward": _reward,
+    "trainer": _trainer,
+}
