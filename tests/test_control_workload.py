@@ -141,3 +141,27 @@ def test_cli_paper_workload(fmt):
         assert {"wall_clock_h", "straggler_rate", "signal_per_h"} <= set(report[mode]["sagc"])
     assert report["paper"]["sagc_hours"] == 16.0
     assert report["vs_paper"]["min_g4_straggler_rate_if_independent"] == pytest.approx(0.7485, abs=1e-3)
+
+
+def test_cli_compares_real_runs_over_the_same_samples(tmp_path):
+    def write(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        keys = ("train/responses", "control/group_size", "control/straggler", "rollout/reward_mean")
+        (d / "metrics.jsonl").write_text("".join(json.dumps(dict(zip(keys, r, strict=True))) + "\n" for r in rows))
+        return str(d)
+
+    sagc = write("sagc", [(32, 4, 0, 0.2), (64, 8, 1, 0.4), (128, 16, 1, 0.6)])  # 224 samples
+    fixed = write("fixed", [(64, 8, 1, 0.3), (64, 8, 1, 0.3), (64, 8, 0, 0.5), (64, 8, 0, 0.5)])
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--runs", sagc, fixed],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["samples_budget"] == 224
+    assert report[sagc] == pytest.approx({"steps": 3, "samples": 224, "straggler_rate": 2 / 3,
+                                          "mean_g": 28 / 3, "reward_mean": 0.4, "reward_last5": 0.4},
+                                         abs=1e-4)
+    # 64 + 64 + 64 = 192 <= 224 < 256: three whole steps
+    assert report[fixed] == pytest.approx({"steps": 3, "samples": 192, "straggler_rate": 2 / 3,
+                                           "mean_g": 8.0, "reward_mean": 1.1 / 3, "reward_last5": 1.1 / 3},
+                                          abs=1e-4)

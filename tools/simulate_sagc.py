@@ -22,6 +22,12 @@ Pareto runaways whose probability grows as G^1.7) with its checks, exit status 1
   faster_than_fixed_<max>  SAGC's wall-clock < fixed largest G's        (default)
   settles_on_largest_g     SAGC uses the largest candidate in every step of the second half
                            (with --no-stragglers)
+
+--runs DIR [DIR ...]: no simulation; compares real training runs (each DIR a trainer.log_dir with
+metrics.jsonl, e.g. SAGC and fixed G on the demo) over the same number of samples: the first
+steps of each run up to the smallest run's total of train/responses. Per run: steps, samples,
+straggler_rate (mean of control/straggler), mean_g, reward_mean (mean of rollout/reward_mean) and
+reward_last5, over those steps.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from megatron_rl.control import workload as wl
 from megatron_rl.control.sagc import SAGCSettings
@@ -69,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="paper: optimizer step + weight sync seconds")
     p.add_argument("--no-stragglers", action="store_true",
                    help="synthetic: remove the runaway tail")
+    p.add_argument("--runs", nargs="+", metavar="DIR",
+                   help="compare real runs' metrics.jsonl over the same number of samples")
     args = p.parse_args(argv)
     for name, value in DEFAULTS[args.workload].items():
         if getattr(args, name) is None:
@@ -116,6 +125,30 @@ def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
     return report
 
 
+def compare_runs(dirs: list[str]) -> dict:
+    """Real runs over the same samples: each run's first whole steps whose total
+    stays within the smallest run's total."""
+    rows = {d: [json.loads(line) for line in open(Path(d) / "metrics.jsonl") if line.strip()]
+            for d in dirs}
+    budget = min(sum(r["train/responses"] for r in run) for run in rows.values())
+    report: dict = {"workload": "runs", "samples_budget": int(budget)}
+    for name, run in rows.items():
+        used, done = [], 0.0
+        for r in run:  # whole steps while the total stays within the budget (at least one)
+            if used and done + r["train/responses"] > budget:
+                break
+            used.append(r)
+            done += r["train/responses"]
+        reward = [r["rollout/reward_mean"] for r in used]
+        report[name] = _round({
+            "steps": len(used), "samples": int(done),
+            "straggler_rate": sum(r["control/straggler"] for r in used) / len(used),
+            "mean_g": sum(r["control/group_size"] for r in used) / len(used),
+            "reward_mean": sum(reward) / len(reward),
+            "reward_last5": sum(reward[-5:]) / len(reward[-5:])})
+    return report
+
+
 def run_synthetic(args: argparse.Namespace, settings: SAGCSettings) -> dict:
     """The earlier synthetic scenario and its checks (report["checks"])."""
     lengths = LengthModel()
@@ -144,6 +177,14 @@ PAPER_COLUMNS = (("wall_clock_h", "wall h", "{:8.2f}"), ("straggler_rate", "stra
 
 def format_table(report: dict) -> str:
     """Readable table of a report (paper: per mode; synthetic: one block)."""
+    if report["workload"] == "runs":
+        names = [k for k in report if isinstance(report[k], dict)]
+        lines = [f"{'run':40s} {'steps':>5s} {'samples':>7s} {'straggler':>9s} {'mean G':>6s} "
+                 f"{'reward':>6s} {'last5':>6s}"]
+        lines += [f"{n[-40:]:40s} {report[n]['steps']:5d} {report[n]['samples']:7d} "
+                  f"{report[n]['straggler_rate']:9.1%} {report[n]['mean_g']:6.2f} "
+                  f"{report[n]['reward_mean']:6.3f} {report[n]['reward_last5']:6.3f}" for n in names]
+        return "\n".join(lines)
     if report["workload"] == "synthetic":
         names = [k for k in report if k == "sagc" or k.startswith("fixed_")]
         lines = [f"{'policy':10s} {'wall h':>8s} {'straggler':>9s} {'mean G':>6s}"]
@@ -174,6 +215,10 @@ def format_table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen workload, print one JSON line (or a table); exit 1 if a check fails."""
     args = parse_args(argv)
+    if args.runs:
+        report = compare_runs(args.runs)
+        print(json.dumps(report) if args.format == "json" else format_table(report))
+        return 0
     try:
         settings = SAGCSettings(delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta,
                                 lambda_max=args.lambda_max, seed=args.seed)
