@@ -63,6 +63,7 @@ def run_child(name: str, opts: CheckOptions, timeout_s: float) -> dict:
     result_file, log = logs / f"{name}.json", logs / f"{name}.log"
     result_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("MEGATRON_RL_PLATFORM", None)  # --device decides (setup_platform would let this override it)
     cmd = [sys.executable, "-m", "megatron_rl.devcheck.child", name, opts.to_json(), str(result_file)]
     start = time.perf_counter()
     with log.open("w") as out:
