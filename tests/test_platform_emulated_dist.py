@@ -74,7 +74,7 @@ def _tiny_gpt_tp2(platform: str, model_dir: str) -> dict[str, torch.Tensor]:
     plat, _ = initialize_parallel(tp=2, pp=1, seed=7, platform=platform)
     assert plat.device_type == platform
     model, _ = load_model_from_hf(model_dir, attention_backend="split")
-    model = model.to(plat.device)
+    assert all(p.device == plat.device for p in model.parameters())  # built on the rank's compute device
     ids = torch.tensor([[3, 9, 4, 1, 7, 7, 2, 5, 8, 6, 1, 3]], device=plat.device)
     logits = model(ids, torch.arange(12, device=plat.device)[None], attention_mask=None)
     assert logits.device == plat.device

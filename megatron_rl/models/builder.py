@@ -63,8 +63,11 @@ def build_gpt_model(
     attention_backend: str | None = None,
     megatron_overrides: dict | None = None,
 ):
-    """This rank's PP stage of the model (parallel state must be set up); weights are random."""
+    """This rank's PP stage of the model (parallel state must be set up) on this rank's compute
+    device; weights are random (initialised on the CPU, as ``use_cpu_initialization`` asks)."""
     from megatron.core import parallel_state
+
+    from megatron_rl.platform import compute_device
 
     config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides)
     model = _gpt_model_class()(
@@ -78,4 +81,4 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
-    return model.to(params_dtype)
+    return model.to(device=compute_device(), dtype=params_dtype)

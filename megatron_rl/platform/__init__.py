@@ -4,6 +4,6 @@ adaptors that let megatron-core run there (CPU shims here; torch_npu / MindSpeed
 Call ``setup_platform()`` once per process before building models; it is idempotent.
 """
 
-from megatron_rl.platform.device import Platform, detect_platform, setup_platform
+from megatron_rl.platform.device import Platform, compute_device, current_platform, detect_platform, setup_platform
 
-__all__ = ["Platform", "detect_platform", "setup_platform"]
+__all__ = ["Platform", "compute_device", "current_platform", "detect_platform", "setup_platform"]

@@ -74,6 +74,17 @@ def detect_platform(requested: str = "auto") -> Platform:
 _APPLIED: dict[str, Platform] = {}
 
 
+def current_platform() -> Platform | None:
+    """The platform ``setup_platform`` set up in this process (None before it ran)."""
+    return _APPLIED.get("platform")
+
+
+def compute_device() -> torch.device:
+    """This rank's compute device (``cpu`` until ``setup_platform`` ran)."""
+    platform = current_platform()
+    return platform.device if platform is not None else torch.device("cpu")
+
+
 def setup_platform(requested: str = "auto") -> Platform:
     """Detect the platform, apply its megatron-core adaptors once, and pin this rank's device."""
     if "platform" in _APPLIED:

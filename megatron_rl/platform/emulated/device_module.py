@@ -53,6 +53,22 @@ def set_device(device: torch.device | str | int) -> None:
     _C.set_device(_index(device))
 
 
+class device:  # noqa: N801  (torch's device-module protocol: torch.<backend>.device)
+    """Within the block, ``device`` (an emulated device or index; None: unchanged) is the current device."""
+
+    def __init__(self, device: torch.device | str | int | None) -> None:
+        self.index = None if device is None else _index(device)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        self.previous = _C.current_device()
+        if self.index is not None:
+            _C.set_device(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        _C.set_device(self.previous)
+
+
 def synchronize(device: torch.device | str | int | None = None) -> None:
     """Every op has finished when it returns: nothing to wait for."""
 
