@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check-config", help="load and validate a config, print it resolved")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
+    check.add_argument("--no-files", action="store_true",
+                       help="skip the data file, tokenizer and dotted-path checks (e.g. a recipe whose model "
+                       "and data live on the cluster)")
     args, extra = parser.parse_known_args(argv)
     if unknown := [a for a in extra if a.startswith("-") or "=" not in a]:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -51,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.config import ConfigError, config_to_dict, load_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        # check-config and train also check the data file, the tokenizer and the dotted paths
+        files = args.command == "train" or (args.command == "check-config" and not args.no_files)
+        cfg = load_config(args.config, args.overrides, resources=files)
     except ConfigError as err:
         print(f"megatron_rl: invalid config:\n{err}", file=sys.stderr)
         return 2

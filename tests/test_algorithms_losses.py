@@ -158,8 +158,8 @@ def test_kl_estimators(est):
 def test_entropy_bonus_and_metrics():
     logp, old, ref, mask, adv = _batch()
     ent = torch.rand(B, L, generator=torch.Generator().manual_seed(3)).requires_grad_()
-    s0 = LossSettings(kind="bnpo", clip_low=0.1, clip_high=0.04)
-    s1 = LossSettings(kind="bnpo", clip_low=0.1, clip_high=0.04, entropy_coef=0.01,
+    s0 = LossSettings(kind="bnpo", clip_low=0.02, clip_high=0.04)  # asymmetric (high >= low: the schema's rule)
+    s1 = LossSettings(kind="bnpo", clip_low=0.02, clip_high=0.04, entropy_coef=0.01,
                       kl_estimator="k2")
     base = _ours(s0, logp, old, ref, mask, adv, entropy=ent)
     out = _ours(s1, logp, old, ref, mask, adv, entropy=ent)
@@ -170,7 +170,7 @@ def test_entropy_bonus_and_metrics():
     m = out.metrics
     toks = [(b, t) for b in range(B) for t in range(LENGTHS[b])]
     ratios = [math.exp(logp[b, t].item() - old[b, t].item()) for b, t in toks]
-    lows = sum(r < 0.9 and adv[b] < 0 for r, (b, _) in zip(ratios, toks, strict=True))
+    lows = sum(r < 0.98 and adv[b] < 0 for r, (b, _) in zip(ratios, toks, strict=True))
     highs = sum(r > 1.04 and adv[b] > 0 for r, (b, _) in zip(ratios, toks, strict=True))
     assert lows > 0 and highs > 0  # the fixture exercises both sides
     assert (m.n_tokens.item(), m.n_clip_low.item(), m.n_clip_high.item()) == (n, lows, highs)
@@ -211,15 +211,17 @@ def test_padding_garbage_does_not_leak():
     assert torch.isfinite(out.metrics.ratio_max) and torch.isfinite(out.metrics.kl_ref_sum)
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    (dict(kind="ppo"), "kind"),
-    (dict(clip_low=1.0), "clip_low"),
-    (dict(clip_high=-0.1), "clip_high"),
-    (dict(kl_estimator="k4"), "kl_estimator"),
-    (dict(proximal="forward"), "proximal"),
-    (dict(behav_weight_cap=0.5), "behav_weight_cap"),
+@pytest.mark.parametrize("kwargs, key", [  # LossSettings reports the config key of each value it carries
+    (dict(kind="ppo"), "algorithm.loss"),
+    (dict(clip_low=1.0), "algorithm.clip.low"),
+    (dict(clip_low=0.0), "algorithm.clip.low"),  # the schema's (0, 1): a zero clip is refused here too
+    (dict(clip_high=-0.1), "algorithm.clip.high"),
+    (dict(clip_low=0.2, clip_high=0.1), r"algorithm.clip.high: must be >= algorithm.clip.low \(0.2\)"),
+    (dict(kl_estimator="k4"), "algorithm.kl.estimator"),
+    (dict(proximal="forward"), "algorithm.proximal"),
+    (dict(behav_weight_cap=0.5), "algorithm.behav_weight_cap"),
     (dict(kind="dr_grpo"), "max_response_len"),
-    (dict(kl_coef=-1.0), "kl_coef"),
+    (dict(kl_coef=-1.0), "algorithm.kl.coef"),
 ])
 def test_settings_validation(kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -106,7 +106,7 @@ def test_dotted_path_loads_reference_implementation():
     [
         ("adaptive", "one of"),
         ("no_such_module_xyz:Thing", "cannot import"),
-        (f"{__name__}:Missing", "no callable"),
+        (f"{__name__}:Missing", "has no attribute 'Missing'"),
         (f"{__name__}:NotAController", "does not implement"),
     ],
 )

@@ -43,7 +43,8 @@ def test_settings_reject_bad_field(field, value):
     kwargs = {field: value}
     if field == "candidates" and value:
         kwargs["initial"] = value[-1]
-    with pytest.raises(ValueError, match=rf"SAGCSettings\.{field}"):
+    key = "control.group_size" if field == "initial" else f"control.sagc.{field}"  # the config's keys
+    with pytest.raises(ValueError, match=rf"{key}\b"):
         SAGCSettings(**kwargs)
 
 

@@ -60,6 +60,7 @@ from megatron_rl.config.schema import (
     MismatchAlarmConfig,
     RolloutCorrectionConfig,
 )
+from megatron_rl.config.sections import require_valid
 
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 ALARM_ACTIONS: tuple[str, ...] = get_args(AlarmAction)
@@ -69,21 +70,10 @@ ALARM_ACTIONS: tuple[str, ...] = get_args(AlarmAction)
 class RolloutCorrection(RolloutCorrectionConfig):
     """Rollout importance-sampling correction (TRL semantics) and off-policy masking: the
     ``algorithm.rollout_correction`` section (mode, c_min, c_max, delta; declared once, in the
-    schema), checked for standalone use."""
+    schema), checked by the config's own rules for that section (also when built from Python)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in CORRECTION_MODES:
-            raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}, got {self.mode!r}")
-        for name in ("c_min", "c_max"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"rollout correction {name} must be > 0 or None, got {value}")
-        if self.c_min is not None and self.c_max is not None and self.c_min >= self.c_max:
-            raise ValueError(f"rollout correction c_min ({self.c_min}) must be < c_max ({self.c_max})")
-        if self.mode.endswith("_truncate") and self.c_min is None and self.c_max is None:
-            raise ValueError(f"rollout correction mode {self.mode!r} needs c_min or c_max")
-        if self.delta is not None and not self.delta >= 0:
-            raise ValueError(f"rollout correction delta must be >= 0 or None, got {self.delta}")
+        require_valid(self, "algorithm.rollout_correction")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,11 +217,7 @@ class MismatchAlarm(MismatchAlarmConfig):
     action: the ``algorithm.mismatch_alarm`` section (declared once, in the schema), checked."""
 
     def __post_init__(self) -> None:
-        if self.action not in ALARM_ACTIONS:
-            raise ValueError(f"mismatch_alarm action must be one of {ALARM_ACTIONS}, got {self.action!r}")
-        for name, value in self.thresholds().items():
-            if value is not None and not value >= 0:
-                raise ValueError(f"mismatch_alarm {name} must be >= 0 or None, got {value}")
+        require_valid(self, "algorithm.mismatch_alarm")  # the config's own rules for the section
 
     def thresholds(self) -> dict[str, float | None]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "action"}

@@ -39,6 +39,7 @@ only masks (no double counting; see ``correction.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import get_args
 
 import torch
@@ -49,14 +50,16 @@ from megatron_rl.algorithms.correction import (
     RolloutCorrection,
     rollout_correction,
 )
-from megatron_rl.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
+from megatron_rl.algorithms.kl import KLEstimator, kl_estimate
 from megatron_rl.algorithms.metrics import LossMetrics
 from megatron_rl.algorithms.proximal import (
     BehaviourWeight,
     behaviour_weight,
     loglinear_proximal_logp,
 )
+from megatron_rl.config.fields import raise_found, require_values
 from megatron_rl.config.schema import AlgorithmConfig, ClipConfig, KLConfig, LossName, ProximalMode
+from megatron_rl.config.sections import clip_rule, decoupled_correction_rule
 
 LossKind = LossName  # the config schema declares each enum once
 LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
@@ -82,28 +85,19 @@ class LossSettings:
     mismatch_alarm: MismatchAlarm | None = None  # gate the trainer applies before the optimizer step
 
     def __post_init__(self) -> None:
-        _check_in("kind", self.kind, LOSS_KINDS)
-        _check_in("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_in("proximal", self.proximal, PROXIMAL_MODES)
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.kl_coef < 0.0 or self.entropy_coef < 0.0:
-            raise ValueError(
-                f"kl_coef ({self.kl_coef}) and entropy_coef ({self.entropy_coef}) must be >= 0"
-            )
-        if self.behav_weight_cap is not None and self.behav_weight_cap <= 1.0:
-            raise ValueError(f"behav_weight_cap must be > 1 or None, got {self.behav_weight_cap}")
-        if self.kind == "ppo_decoupled" and self.correction.mode.endswith("_truncate"):
-            raise ValueError(
-                f"rollout correction mode {self.correction.mode!r} would be a second importance "
-                "weight next to the decoupled behaviour weight; use a *_mask mode or none, and "
-                "bound the behaviour weight with behav_weight_cap"
-            )
+        # the config's own rules on the ``algorithm`` values carried here (flat, under other names)
+        require_values({
+            "algorithm.loss": self.kind, "algorithm.clip.low": self.clip_low, "algorithm.clip.high": self.clip_high,
+            "algorithm.kl.coef": self.kl_coef, "algorithm.kl.estimator": self.kl_estimator,
+            "algorithm.entropy_coef": self.entropy_coef, "algorithm.proximal": self.proximal,
+            "algorithm.behav_weight_cap": self.behav_weight_cap,
+        })
+        raise_found(chain(clip_rule(self.clip_low, self.clip_high),
+                          decoupled_correction_rule(self.kind, self.correction.mode)))
         if self.kind == "dr_grpo" and (self.max_response_len or 0) <= 0:
             raise ValueError(
-                f"kind='dr_grpo' needs max_response_len > 0, got {self.max_response_len}"
+                f"kind='dr_grpo' needs max_response_len > 0 (rollout.sampling.max_new_tokens), "
+                f"got {self.max_response_len}"
             )
 
 
@@ -114,11 +108,6 @@ class LossOutput:
 
     loss: torch.Tensor
     metrics: LossMetrics
-
-
-def _check_in(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def loss_denominator(settings: LossSettings, mask: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import yaml
 
 from .convert import SCIENTIFIC_FLOAT, describe, field_types, from_plain, join, to_plain
 from .errors import COMMAND_LINE, ConfigError, Origins, Problem, suggest
+from .resources import check_resources
 from .schema import Config
 from .validate import validate
 
@@ -35,11 +36,17 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", SCIENTIFIC_FLOAT, list(
 
 
 def load_config(
-    path: str | Path, overrides: Sequence[str] = (), *, hf_config: dict[str, Any] | None = None
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    hf_config: dict[str, Any] | None = None,
+    resources: bool = False,
 ) -> Config:
     """Read YAML `path`, apply `overrides` ("a.b.c=value"), convert and validate.
 
     `hf_config` stands in for ``<model.hf_path>/config.json`` (tests); None reads the file.
+    `resources`: also check what the config points at (`resources.check_resources`: data file,
+    tokenizer, dotted paths), as ``check-config`` and ``train`` do.
     Raises ConfigError naming every bad key with its file line (or "command line").
     """
     path = Path(path)
@@ -50,7 +57,11 @@ def load_config(
     except UnicodeDecodeError as exc:
         raise ConfigError([Problem(key="<file>", message=f"not UTF-8 text: {exc}", where=str(path))]) from exc
     data, origins, problems = parse_yaml(text, source=str(path))
-    return _build(data, origins, problems, overrides, hf_config=hf_config, check=True)
+    cfg = _build(data, origins, problems, overrides, hf_config=hf_config, check=True)
+    found = list(check_resources(cfg)) if resources else []
+    if found:
+        raise ConfigError(Problem(key=k, message=m, where=origins.where(k)) for k, m in found)
+    return cfg
 
 
 def config_from_dict(

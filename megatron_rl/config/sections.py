@@ -17,7 +17,7 @@ import dataclasses
 import ipaddress
 import itertools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args
 
 from .convert import field_types
@@ -166,14 +166,20 @@ def _sync_address(text: str) -> Found:
         yield "rollout.sync_address", f"{text!r} would listen on every interface; give one address, e.g. 127.0.0.1"
 
 
+def controller_rule(kind: str, options: Mapping[str, Any]) -> Found:
+    """control.kind is a builtin name or a dotted path; only a dotted-path class takes options."""
+    builtin = kind in BUILTIN_CONTROLLERS
+    if not builtin and not DOTTED_PATH.match(kind):
+        names = ", ".join(BUILTIN_CONTROLLERS)
+        hint = suggest(kind, BUILTIN_CONTROLLERS)
+        yield "control.kind", f"{kind!r} is not one of {names} or a dotted path 'pkg.mod:Class' ({hint})"
+    if builtin and options:
+        yield "control.options", f"are only for a dotted-path control.kind, not {kind!r}; remove them"
+
+
 def _control(c: Any) -> Found:
     """Controller name and options; the starting G; every group size >= 2."""
-    builtin = c.kind in BUILTIN_CONTROLLERS
-    if not builtin and not DOTTED_PATH.match(c.kind):
-        hint = suggest(c.kind, BUILTIN_CONTROLLERS)
-        yield "control.kind", f"{c.kind!r} is not fixed, sagc or a dotted path 'pkg.mod:Class' ({hint})"
-    if builtin and c.options:
-        yield "control.options", f"are only for a dotted-path control.kind, not {c.kind!r}; remove them"
+    yield from controller_rule(c.kind, c.options)
     yield from group_size_rule(c.kind, c.group_size, c.sagc.candidates)
     sizes = {"control.group_size": [c.group_size]}
     if c.kind == "sagc":

@@ -19,14 +19,16 @@ the response lengths of the whole step (gathered across data-parallel ranks by t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-DEFAULT_TAU = 3.0
+from megatron_rl.config.fields import require_values
+from megatron_rl.config.schema import SAGCConfig
+
+DEFAULT_TAU = SAGCConfig.tau  # the straggler threshold when no SAGC settings are given
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,17 +99,16 @@ def measure_step(
     )
 
 
-def check_group_size(name: str, value: object) -> int:
-    """Return `value` if it is a positive int (not bool), else raise ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+def check_group_size(value: object) -> int:
+    """Return `value` as an int if it is a valid ``control.group_size`` (the config's rule: a
+    positive int, not a bool), else raise ValueError naming the key."""
+    value = int(value) if isinstance(value, np.integer) else value
+    require_values({"control.group_size": value})
+    return value
 
 
 def check_tau(value: float) -> float:
-    """Return tau if it is a finite number > 1 (max/median is always >= 1), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"tau must be a finite number > 1, got {value!r}")
-    if value <= 1:
-        raise ValueError(f"tau must be > 1 (max/median is always >= 1), got {value!r}")
+    """Return tau if it is a valid ``control.sagc.tau`` (the config's rule: > 1, as max/median is
+    always >= 1), else raise ValueError naming the key."""
+    require_values({"control.sagc.tau": value})
     return float(value)

@@ -19,7 +19,7 @@ class FixedController:
     """Always chooses `group_size`; counts straggler events (max/median > tau) for the metrics."""
 
     def __init__(self, group_size: int, *, tau: float = DEFAULT_TAU) -> None:
-        self.group_size = check_group_size("group_size", group_size)
+        self.group_size = check_group_size(group_size)
         self.tau = check_tau(tau)
         self._steps = 0
         self._stragglers = 0

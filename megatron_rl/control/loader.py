@@ -4,15 +4,15 @@ path `package.module:ClassName` (constructed with keyword `options`, then checke
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_rl.config.fields import raise_found
+from megatron_rl.config.resources import find_dotted
+from megatron_rl.config.sections import controller_rule
 from megatron_rl.control.base import DEFAULT_TAU, GroupSizeController
 from megatron_rl.control.fixed import FixedController
 from megatron_rl.control.sagc import SAGCController, SAGCSettings
-
-BUILTIN = ("fixed", "sagc")
 
 
 def load_controller(
@@ -29,9 +29,7 @@ def load_controller(
           "sagc" (uses `settings`, default SAGCSettings()), or "package.module:ClassName",
           called as ClassName(**options).
     """
-    if spec in BUILTIN and options:
-        raise ValueError(f"options are only for dotted-path controllers, got {dict(options)!r} "
-                         f"for controller {spec!r}")
+    raise_found(controller_rule(spec, options or {}))  # the config's control.kind / control.options rule
     if spec == "fixed":
         if group_size is None:
             raise ValueError("controller 'fixed' needs group_size")
@@ -42,23 +40,10 @@ def load_controller(
 
 
 def _load_dotted(spec: str, options: dict[str, Any]) -> GroupSizeController:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"controller must be one of {BUILTIN} or 'package.module:ClassName', got {spec!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"controller {spec!r}: cannot import module {module_name!r}: {err}"
-        ) from err
-    factory = getattr(module, attr, None)
-    if not callable(factory):
+    factory, why = find_dotted(spec)  # the import check-config runs too
+    if why or not callable(factory):
         # ValueError, not TypeError: a wrong spec is a config mistake (STYLE.md rule 4).
-        raise ValueError(  # noqa: TRY004
-            f"controller {spec!r}: {module_name!r} has no callable {attr!r}"
-        )
+        raise ValueError(f"controller {spec!r}: {why or 'is not callable'}")
     controller = factory(**options)
     if not isinstance(controller, GroupSizeController):
         missing = [m for m in ("choose", "observe", "state_dict", "load_state_dict", "metrics")

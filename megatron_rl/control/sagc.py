@@ -30,29 +30,19 @@ of `state_dict`, so a resumed run draws the same p~ and makes the same decisions
 from __future__ import annotations
 
 import copy
-import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from megatron_rl.config.fields import raise_found
 from megatron_rl.config.schema import ControlConfig, SAGCConfig
+from megatron_rl.config.sections import group_size_rule, require_valid
 from megatron_rl.control.base import (
     StepObservation,
-    check_tau,
     measure_step,
 )
-
-
-def _require(ok: bool, field: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"SAGCSettings.{field} must be {rule}, got {value!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,35 +53,16 @@ class SAGCSettings(SAGCConfig):
     initial: int = ControlConfig.group_size  # control.group_size: the first step's G, one of `candidates`
 
     def __post_init__(self) -> None:
-        cands = self.candidates
-        _require(isinstance(cands, (tuple, list)) and len(cands) > 0, "candidates", cands,
-                 "a non-empty sequence of group sizes")
-        _require(all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in cands),
-                 "candidates", cands, "positive integers")
-        _require(all(a < b for a, b in itertools.pairwise(cands)), "candidates", cands,
-                 "sorted increasing without duplicates")
-        object.__setattr__(self, "candidates", tuple(cands))
-        _require(self.initial in self.candidates, "initial", self.initial,
-                 f"one of candidates {self.candidates}")
-        _require(_is_number(self.tau) and self.tau > 1, "tau", self.tau,
-                 "> 1 (max/median is always >= 1)")
-        _require(_is_number(self.delta) and 0 < self.delta < 1, "delta", self.delta, "in (0, 1)")
-        _require(_is_number(self.gamma) and 0 < self.gamma <= 1, "gamma", self.gamma, "in (0, 1]")
-        for field in ("eta", "lambda_max", "prior_alpha", "prior_beta"):
-            value = getattr(self, field)
-            _require(_is_number(value) and value > 0, field, value, "a finite number > 0")
-        _require(isinstance(self.forget_unchosen, bool), "forget_unchosen", self.forget_unchosen,
-                 "a bool")
-        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
-                 "seed", self.seed, "an integer >= 0")
+        require_valid(self, "control.sagc")  # the config's own control.sagc rules
+        raise_found(group_size_rule("sagc", self.initial, self.candidates))  # and control's: G_0 is a candidate
+        object.__setattr__(self, "candidates", tuple(self.candidates))
 
 
 class SAGCController:
     """Straggler-aware group-size controller (see the module docstring for the updates)."""
 
     def __init__(self, settings: SAGCSettings, *, rng: np.random.Generator | None = None) -> None:
-        self.settings = settings
-        check_tau(settings.tau)
+        self.settings = settings  # checked when built (SAGCSettings.__post_init__)
         self._rng = rng if rng is not None else np.random.default_rng(settings.seed)
         self._log2g = np.log2(np.asarray(settings.candidates, dtype=np.float64))
         n = len(settings.candidates)

@@ -8,7 +8,6 @@ window) is refused with an error naming the config field, never silently approxi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config.model_shape import parallel_fit  # the config's TP / PP rule, re-exported
+from megatron_rl.config.fields import raise_found
+from megatron_rl.config.model_shape import check_megatron_passthrough, parallel_fit  # parallel_fit: re-exported
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -147,11 +147,8 @@ def transformer_config_from_spec(
         moe_token_dispatcher_type="alltoall",  # dense model; 0.16 rejects variable lengths with the default
         cuda_graph_scope=[],  # the default "full" is deprecated in 0.16 and warns on every config
     )
-    valid = {f.name for f in dataclasses.fields(TransformerConfig)}
-    for key, value in (overrides or {}).items():
-        if key not in valid:
-            raise ValueError(f"model.megatron.{key}: not a megatron-core TransformerConfig field")
-        kwargs[key] = value
+    raise_found(check_megatron_passthrough(overrides or {}))  # the config's model.megatron rule
+    kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
 

@@ -28,6 +28,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 
+from megatron_rl.config.fields import require_values
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.rewards.base import RewardFn
 
@@ -79,8 +80,8 @@ class GuardedReward:
     """``RewardFn`` wrapper: failures score 0.0 and are counted (see module doc)."""
 
     def __init__(self, fn: RewardFn, *, timeout_s: float | None, name: str = ""):
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
+        if timeout_s is not None:  # None: no limit (inline); else the config's rule
+            require_values({"reward.timeout_s": timeout_s})
         self.fn, self.timeout_s, self.name = fn, timeout_s, name or getattr(fn, "__name__", repr(fn))
         self._lock = threading.Lock()
         self._calls = 0

@@ -12,9 +12,9 @@ scores 0, is counted, and never stops training.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
+from megatron_rl.config.resources import find_dotted
 from megatron_rl.rewards.base import RewardFn
 from megatron_rl.rewards.builtin import BUILTIN_REWARDS
 from megatron_rl.rewards.guard import GuardedReward
@@ -29,13 +29,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not sep or not module_name or not attr:
         raise ValueError(f"reward fn must be one of {sorted(BUILTIN_REWARDS)} or "
                          f"'package.module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward fn {spec!r}: cannot import module {module_name!r}: {err}") from err
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward fn {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    fn, why = find_dotted(spec)  # the import check-config runs too
+    if why:
+        raise ValueError(f"reward fn {spec!r}: {why}")
     if inspect.isclass(fn) or not isinstance(fn, RewardFn):
         raise ValueError(f"reward fn {spec!r} must be a function or callable instance taking "
                          f"(record, response_text), got {type(fn).__name__}")
