@@ -44,6 +44,7 @@ LAYOUTS = {  # DP = 2 in sync mode: the two-node run
     "dp2_periodic": (2, ["pipeline.mode=periodic"]),
     "tp2_dp2_sync": (4, ["parallel.tp=2", "pipeline.mode=sync"]),
     "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic"]),
+    "pp2_dp2_sync": (4, ["parallel.pp=2", "pipeline.mode=sync"]),  # rank 0 holds no loss: metrics of the world
 }
 
 
@@ -100,6 +101,17 @@ def assert_same_history(history, ref_hist):
     assert [h["train/responses"] for h in history] == [h["train/responses"] for h in ref_hist]
     for h in history:  # both replicas trained (2.0 would be everything on one)
         assert 1.0 <= h["train/dp_imbalance"] < 2.0
+    assert_same_loss_metrics(history, ref_hist)
+
+
+def assert_same_loss_metrics(history, ref_hist):
+    """``loss/*`` and ``mismatch/*`` are the world's (every replica's tokens, logged whatever stage
+    rank 0 holds): equal to the DP = 1 run's, which saw the same batches whole."""
+    for step, (h, ref) in enumerate(zip(history, ref_hist, strict=True)):
+        keys = sorted(k for k in ref if k.startswith(("loss/", "mismatch/")) and k != "loss/grad_norm")
+        assert "loss/n_tokens" in keys and "mismatch/kl_k3" in keys, keys
+        for key in keys:
+            assert h.get(key) == pytest.approx(ref[key], rel=1e-4, abs=1e-6), f"step {step + 1}: {key}"
 
 
 def test_two_node_dp2_sync_run_equals_the_one_node_run(setup):

@@ -156,13 +156,14 @@ def _gate_on_rank(alarm):
     """Rank 0 holds a loss's metrics, rank 1 none (a first pipeline stage): same verdict on both."""
     import torch.distributed as dist
 
-    from megatron_rl.trainer.mismatch_gate import world_mismatch
+    from megatron_rl.trainer.world_metrics import world_merged
 
     dist.init_process_group("gloo")
     local = _metrics(0.5) if dist.get_rank() == 0 else None
-    merged = world_mismatch(local, device=torch.device("cpu")).to_log()
+    world = world_merged(local, counts=local is not None)
+    merged = world.to_log()
     try:
-        return merged, check_mismatch(alarm, local)
+        return merged, check_mismatch(alarm, world)
     except MismatchAlarmError as e:
         return merged, f"stopped: {e}"
 

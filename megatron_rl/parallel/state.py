@@ -89,6 +89,10 @@ _HOST_GROUPS: dict[str, object] = {}
 
 def host_world_group():
     """A gloo group of the whole world (the default group itself when that is gloo)."""
+    if "world" not in _HOST_GROUPS:
+        if dist.get_backend() != "gloo":
+            raise RuntimeError("no host group: call initialize_parallel() before host-side collectives")
+        return dist.group.WORLD
     return _HOST_GROUPS["world"]
 
 

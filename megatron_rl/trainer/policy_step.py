@@ -22,6 +22,8 @@ import torch.distributed as dist
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
 from megatron_rl.attention.packing import pad_responses, unpack_logprobs_padded
 from megatron_rl.pipeline.records import MicroBatch, unshare_prompts
+from megatron_rl.trainer.mismatch_gate import check_mismatch
+from megatron_rl.trainer.world_metrics import counts_loss, world_merged
 from megatron_rl.trimodel import TriLogprobs, TriModel
 
 
@@ -87,18 +89,15 @@ class PolicyTrainer:
         """Scale grads by 1/D (D summed over micro-batches and ranks), reduce over DP, step."""
         from megatron.core.distributed import finalize_model_grads
 
-        totals = self._global_totals()
-        denominator, numerator = float(totals[0]), float(totals[1])
+        denominator, numerator = self._global_totals()
         if denominator <= 0:  # every group of the mini-batch dropped (dynamic sampling): nothing to learn
             self._reset()
             return MiniBatchResult(grad_norm=0.0, denominator=0.0, loss=0.0, metrics={}, skipped=True)
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.trainer.mismatch_gate import check_mismatch
-
+        world = world_merged(self._metrics, counts=counts_loss())  # the same world values on every rank
         # algorithm.mismatch_alarm: one verdict on every rank; action "stop" raises before the step.
-        check_mismatch(self.loss.mismatch_alarm, self._metrics.mismatch if self._metrics is not None else None,
-                       device=self.device)
+        check_mismatch(self.loss.mismatch_alarm, world.mismatch if world is not None else None)
         # megatron's DDP averages over DP ranks (scales by 1/dp before its reduce-sum); the batch
         # gradient is the plain sum of the ranks' numerator gradients, hence dp / D.
         self.ddp.scale_gradients(ps.get_data_parallel_world_size() / denominator)
@@ -110,7 +109,7 @@ class PolicyTrainer:
             self._reset()
             return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"), metrics={},
                                    skipped=True, nonfinite=True)
-        metrics = self._metrics.to_log() if self._metrics is not None else {}
+        metrics = world.to_log() if world is not None else {}
         result = MiniBatchResult(grad_norm=float(grad_norm or 0.0), denominator=denominator,
                                  loss=numerator / denominator, metrics=metrics)
         self._reset()
@@ -130,11 +129,8 @@ class PolicyTrainer:
     def _global_totals(self) -> list[float]:
         """[denominator, numerator] summed over the model replicas' last stages (once per replica),
         reduced on the device and read once."""
-        from megatron.core import parallel_state as ps
-
-        counts = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         totals = torch.stack([self._denominator, self._numerator])
-        if not counts:
+        if not counts_loss():
             totals = torch.zeros_like(totals)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(totals)
