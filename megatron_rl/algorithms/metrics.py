@@ -2,9 +2,9 @@
 
 Contract: ``LossMetrics`` holds detached 0-dim tensors that are either sums (combine by
 adding) or maxima (combine by max), never per-micro-batch means, so merging the metrics of a
-batch's micro-batches in any split gives the whole-batch statistics. Across DP ranks the
-trainer all-reduces ``SUM_FIELDS`` with SUM and ``MAX_FIELDS`` with MAX (this module holds no
-process group). Token statistics are over the tokens that enter the loss (mask minus tokens
+batch's micro-batches in any split gives the whole-batch statistics. Across ranks the trainer
+merges every replica's last-stage metrics the same way (``trainer.world_metrics``; this module
+holds no process group). Token statistics are over the tokens that enter the loss (mask minus tokens
 dropped by the behaviour-weight cap); ``n_capped`` counts the dropped ones. ``mismatch``
 (engine vs trainer log-probs, ``correction.MismatchMetrics``) is over all counted tokens and
 merges the same way; it is logged under ``mismatch/``.
