@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Callable
+from typing import get_args
 
 import torch
 
@@ -21,8 +22,9 @@ from megatron_rl.attention.npu import npu_attention, torch_npu_available
 from megatron_rl.attention.reference import reference_attention
 from megatron_rl.attention.split import split_attention
 from megatron_rl.attention.triton_backend import triton_attention
+from megatron_rl.config.schema import AttentionBackend
 
-BACKENDS = ("auto", "reference", "split", "flex", "triton", "npu")
+BACKENDS: tuple[str, ...] = get_args(AttentionBackend)  # the schema's attention.backend names
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionLayout, float], torch.Tensor]
 _IMPLS: dict[str, AttentionFn] = {
