@@ -1,7 +1,8 @@
 """Read HF safetensors checkpoints lazily, load them into megatron shards, save shards back as HF.
 
-Saving is atomic: shards are written into ``<out>.tmp-<pid>`` and renamed into place only
-after every rank has finished, so an interrupted save leaves no half-written checkpoint.
+Saving is atomic: shards are written into ``<out>.tmp`` and renamed into place only after
+every rank has finished, so an interrupted save leaves no half-written checkpoint. Saving
+streams one tensor at a time (``export_items`` / ``gather_hf`` / ``safetensors_stream``).
 """
 
 from __future__ import annotations
@@ -9,15 +10,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from megatron_rl.models.convert import ShardInfo, iter_export, load_shards_into
+from megatron_rl.models.convert import (
+    ParamRule,
+    ShardInfo,
+    hf_names,
+    iter_export,
+    load_shards_into,
+    match_rule,
+    shards_to_hf,
+)
 from megatron_rl.models.hf_config import DecoderSpec
+from megatron_rl.models.safetensors_stream import SafetensorsStream, TensorEntry
+from megatron_rl.parallel.gather import host_barrier, host_group
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -85,10 +97,51 @@ def load_hf_weights(model: torch.nn.Module, hf_path: str | Path, spec: DecoderSp
 
 
 def export_hf_tensors(model: torch.nn.Module, spec: DecoderSpec):
-    """Iterate (HF name, full tensor) over this PP stage's parameters, TP shards gathered."""
+    """Iterate (HF name, full tensor) over this PP stage's parameters, TP shards gathered
+    (on every TP rank; ``save_hf_checkpoint`` gathers to the writing rank only)."""
     from megatron_rl.parallel.gather import gather_tp
 
     return iter_export(model, gather_tp, spec, layer_offset(model))
+
+
+@dataclass(frozen=True)
+class ExportItem:
+    """One megatron parameter of this PP stage as the HF tensors it exports to."""
+
+    param: torch.nn.Parameter
+    rule: ParamRule
+    names: tuple[str, ...]  # HF names
+    shapes: tuple[tuple[int, ...], ...]  # their full (TP-gathered) shapes
+
+
+def export_items(model: torch.nn.Module, spec: DecoderSpec) -> list[ExportItem]:
+    """This stage's parameters in export order, the tied output layer left out (HF stores it
+    once, as the embedding). Shapes come from the conversion run on meta tensors: no data."""
+    from megatron.core import parallel_state
+
+    tp, offset, out = parallel_state.get_tensor_model_parallel_world_size(), layer_offset(model), []
+    for name, param in model.named_parameters():
+        rule, layer = match_rule(name, offset)
+        if rule.mcore == "output_layer.weight" and spec.tie_word_embeddings:
+            continue
+        meta = [torch.empty(param.shape, device="meta")] * (1 if rule.kind == "replicated" else tp)
+        shapes = tuple(tuple(t.shape) for t in shards_to_hf(rule, meta, spec))
+        out.append(ExportItem(param=param, rule=rule, names=hf_names(rule, layer, spec), shapes=shapes))
+    return out
+
+
+def gather_hf(item: ExportItem, shard: torch.Tensor, spec: DecoderSpec) -> tuple[torch.Tensor, ...] | None:
+    """The full HF tensors of ``item`` from every TP rank's ``shard`` (``item.param``'s shape),
+    on TP rank 0; None on the others. Collective over the TP group."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.parallel.gather import gather_tp_to_first
+
+    if item.rule.kind == "replicated":  # the same on every TP rank: no communication
+        shards = [shard] if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    else:
+        shards = gather_tp_to_first(shard)
+    return None if shards is None else shards_to_hf(item.rule, shards, spec)
 
 
 def save_hf_checkpoint(
@@ -101,7 +154,9 @@ def save_hf_checkpoint(
 ) -> None:
     """Write the model as a sharded HF safetensors checkpoint (one file per PP stage), atomically.
 
-    Collective over the whole world. Only DP rank 0 / TP rank 0 of each stage writes.
+    Collective over the whole world. Streamed: each tensor is gathered over TP to the stage's
+    writer (DP rank 0 / TP rank 0), written and freed, so no rank holds more than about one
+    full tensor (DP ranks > 0 hold nothing: the weights are the same on every replica).
     ``source_dir`` supplies config and tokenizer files; ``dtype`` casts on write (default: as is).
     """
     from megatron.core import parallel_state
@@ -117,15 +172,14 @@ def save_hf_checkpoint(
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    tensors = {n: (t if dtype is None else t.to(dtype)).contiguous() for n, t in export_hf_tensors(model, spec)}
+    host_barrier()
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
-    if writer:
-        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, (file, sorted(tensors)) if writer else None)
+    names = _write_stage(model, spec, tmp / file if writer else None, dtype) if (
+        parallel_state.get_data_parallel_rank() == 0) else []
+    entries: list = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (file, names) if writer else None, group=host_group())
     if rank0:
-        weight_map = {n: f for entry in names if entry for f, ns in [entry] for n in ns}
+        weight_map = {n: f for entry in entries if entry for f, ns in [entry] for n in ns}
         (tmp / _INDEX).write_text(
             json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
         )
@@ -135,4 +189,20 @@ def save_hf_checkpoint(
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    dist.barrier()
+    host_barrier()
+
+
+def _write_stage(model: torch.nn.Module, spec: DecoderSpec, path: Path | None, dtype: torch.dtype | None) -> list[str]:
+    """Stream this stage's weights into ``path`` (None: this TP rank only sends its shards);
+    returns the HF names written."""
+    items = export_items(model, spec)
+    entries = [TensorEntry(n, dtype or it.param.dtype, s) for it in items for n, s in zip(it.names, it.shapes,
+                                                                                           strict=True)]
+    with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:
+        for item in items:
+            full = gather_hf(item, item.param.detach(), spec)  # None on TP ranks > 0
+            if full is not None:
+                for name, tensor in zip(item.names, full, strict=True):
+                    out.write(name, tensor if dtype is None else tensor.to(dtype))
+            del full  # one parameter's tensors at a time
+    return [e.name for e in entries]

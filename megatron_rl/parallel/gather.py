@@ -1,9 +1,17 @@
-"""Collectives over megatron's TP group used by weight export and sync."""
+"""Collectives used by weight export, sync and checkpoints.
+
+Device data moves on megatron's groups (NCCL / HCCL on accelerators, gloo on CPU) as device
+tensors. Host-only bookkeeping (a step count, names, barriers) goes through ``host_group``, a
+gloo group over the world: the default group of a device run is NCCL / HCCL and refuses host
+tensors ("No backend type associated with device type cpu").
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+_HOST_GROUPS: dict[int, object] = {}  # id(default group) -> its gloo twin
 
 
 def gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
@@ -16,3 +24,54 @@ def gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(shard) for _ in range(size)]
     dist.all_gather(out, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return out
+
+
+def gather_tp_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
+    """Gather ``shard`` over the tensor-parallel group to its rank 0 only: the shards in TP-rank
+    order there, None on the other ranks (which hold nothing but their own shard).
+
+    Point-to-point sends: ``dist.gather`` is missing from NCCL before torch 1.11 and from HCCL
+    (torch_npu falls back to an all-gather or refuses), send / recv exist everywhere."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return [shard]
+    group = parallel_state.get_tensor_model_parallel_group()
+    first = dist.get_global_rank(group, 0)
+    shard = shard.contiguous()
+    if dist.get_rank() != first:
+        dist.send(shard, dst=first, group=group)
+        return None
+    out = [shard]
+    for r in range(1, size):
+        out.append(torch.empty_like(shard))
+        dist.recv(out[-1], src=dist.get_global_rank(group, r), group=group)
+    return out
+
+
+def host_group():
+    """A gloo group over the whole world for host tensors and objects (None: the default group
+    is gloo already). Created on first use, so every rank must make its first call at the same
+    point of the program: every caller here is collective over the world."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
+
+
+def max_over_world(value: int) -> int:
+    """The largest ``value`` of any rank (host all-reduce on ``host_group``)."""
+    if dist.get_world_size() == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=host_group())
+    return int(box.item())
+
+
+def host_barrier() -> None:
+    """Barrier over the world on ``host_group`` (no device work, no device sync)."""
+    if dist.get_world_size() > 1:
+        dist.barrier(group=host_group())
