@@ -15,25 +15,34 @@ Files under ``<checkpoint>/optimizer/``::
                                       weights); one file per PP stage, written by its TP 0 / DP 0
     optimizer.json                    {"format", "step", "keys"}
 
-Both directions are collective over the world; safetensors and JSON only (no pickle).
+"step" counts the optimizer steps taken, read where the optimizer keeps it: per parameter
+(torch Adam / AdamW, ``state[p]["step"]``) or per parameter group (apex / Transformer Engine
+``FusedAdam``, ``param_groups[i]["step"]``, what megatron-core builds when either is
+installed); a lost step restarts Adam's bias correction 1 / (1 - beta^t) at t = 1.
+
+Saving streams: one tensor at a time is made whole (a reduce over DP for the distributed
+optimizer, point-to-point over TP) on its stage's writer only, written and freed, so no rank
+holds much more than one full tensor. Both directions are collective over the world;
+safetensors and JSON only (no pickle).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from itertools import chain
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatron_rl.models import DecoderSpec
-from megatron_rl.models.convert import ShardInfo, hf_names, hf_to_shard, match_rule, shards_to_hf
-from megatron_rl.models.hf_io import layer_offset
-from megatron_rl.parallel.gather import gather_tp
+from megatron_rl.models.convert import ShardInfo, hf_names, hf_to_shard, match_rule
+from megatron_rl.models.hf_io import export_items, gather_hf, layer_offset
+from megatron_rl.models.safetensors_stream import SafetensorsStream, TensorEntry
+from megatron_rl.parallel.gather import max_over_world
 
 FORMAT = "megatron_rl.optimizer.per_hf_parameter.v1"
 META_FILE = "optimizer.json"
@@ -41,7 +50,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class _Access:
-    """Get / set one model parameter's whole Adam state on this rank, whatever the wrapper."""
+    """Get / set one model parameter's Adam state on this rank, whatever the wrapper: torch
+    Adam / AdamW (step per parameter), apex / TE ``FusedAdam`` (step per parameter group),
+    inside the float16 wrapper, the distributed optimizer and megatron's chained optimizer."""
 
     def __init__(self, optimizer) -> None:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -58,47 +69,71 @@ class _Access:
             else:
                 self.main.update((p, (part, p)) for g in part.optimizer.param_groups for p in g["params"])
 
-    def get(self, param: torch.nn.Parameter) -> tuple[dict[str, torch.Tensor], int]:
-        """({"param", "exp_avg", "exp_avg_sq"}: fp32, ``param``'s shape; zeros where not stepped), step."""
-        part, main = self.main[param]
-        if main is None:
-            return self._get_distributed(part, param)
-        state = part.optimizer.state.get(main, {})
-        out = {"param": main.detach().float()}
-        for k in MOMENTS:
-            out[k] = state[k].detach().float() if k in state else torch.zeros(param.shape, dtype=torch.float32)
-        return out, int(state["step"]) if "step" in state else 0
+    def is_distributed(self, param: torch.nn.Parameter) -> bool:
+        return self.main[param][1] is None
 
-    def set(self, param: torch.nn.Parameter, tensors: dict[str, torch.Tensor], step: int) -> None:
-        """Write ``tensors`` (``param``'s shape; "param" optional) as ``param``'s state after ``step`` steps."""
+    def step(self) -> int:
+        """Steps taken (0 before the first), the largest on this rank: torch Adam keeps
+        ``state[p]["step"]``, FusedAdam ``param_groups[i]["step"]`` (not counted in empty groups)."""
+        steps = [0]
+        for part in self.parts:
+            steps += [int(g["step"]) for g in part.optimizer.param_groups if g.get("step") is not None]
+            steps += [int(s["step"]) for s in part.optimizer.state.values() if "step" in s]
+        return max(steps)
+
+    def set_step(self, step: int) -> None:
+        """Make every part resume after ``step`` steps, where its optimizer keeps the count."""
+        for part in self.parts:
+            inner = part.optimizer
+            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                for group in inner.param_groups:  # capturable / fused torch Adam wants the step on the device
+                    on_device = group.get("capturable") or group.get("fused")
+                    for p in group["params"]:
+                        if p in inner.state:
+                            inner.state[p]["step"] = torch.tensor(float(step), device=p.device if on_device else None)
+            else:  # apex / TE FusedAdam: bias correction reads the group's step
+                for group in inner.param_groups:
+                    group["step"] = step
+
+    def local(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+        """``key`` ("param", "exp_avg", "exp_avg_sq") of this rank's shard of ``param``: fp32,
+        ``param``'s shape and device, zeros where not stepped. The distributed optimizer's
+        slices are summed to its DP group's rank 0 (collective over that group; None elsewhere)."""
         part, main = self.main[param]
         if main is None:
-            return self._set_distributed(part, param, tensors, step)
+            return self._reduce_distributed(part, param, key)
+        if key == "param":
+            return main.detach().float()
+        state = part.optimizer.state.get(main, {})
+        return state[key].detach().float() if key in state else torch.zeros(param.shape, device=param.device)
+
+    def set(self, param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (``param``'s shape, any device; "param" optional) as ``param``'s state;
+        the step is ``set_step``'s."""
+        part, main = self.main[param]
+        if main is None:
+            return self._set_distributed(part, param, tensors)
         with torch.no_grad():
             if "param" in tensors:
                 main.copy_(tensors["param"])
-            part.optimizer.state[main] = {"step": torch.tensor(float(step)),
-                                          **{k: tensors[k].to(main.dtype).clone() for k in MOMENTS}}
+            part.optimizer.state[main] = {k: torch.empty_like(main).copy_(tensors[k]) for k in MOMENTS}
 
     @staticmethod
-    def _get_distributed(part, param) -> tuple[dict[str, torch.Tensor], int]:
-        """The owners' slices summed into whole tensors over the DP group."""
-        whole = {k: torch.zeros(param.numel(), dtype=torch.float32) for k in ("param", *MOMENTS)}
-        step = torch.zeros(1, dtype=torch.float64)
+    def _reduce_distributed(part, param, key) -> torch.Tensor | None:
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         if param in part.model_param_group_index_map:  # this DP rank owns a slice
             span = part._get_model_param_range_map(param)["param"]
-            for k, v in part._get_main_param_and_optimizer_states(param).items():
-                if k == "step":
-                    step[0] = float(v)
-                elif k in whole:
-                    whole[k][span.start:span.end] = v.detach().float().view(-1)
-        for t in whole.values():
-            dist.all_reduce(t, group=part.data_parallel_group)
-        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=part.data_parallel_group)
-        return {k: v.view(param.shape) for k, v in whole.items()}, int(step.item())
+            value = part._get_main_param_and_optimizer_states(param).get(key)
+            if value is not None:
+                whole[span.start:span.end] = value.detach().view(-1)
+        group = part.data_parallel_group
+        first = dist.get_global_rank(group, 0)
+        if dist.get_world_size(group) > 1:  # each element has one owner: a sum of it and zeros
+            dist.reduce(whole, dst=first, group=group)
+        return whole.view(param.shape) if dist.get_rank() == first else None
 
     @staticmethod
-    def _set_distributed(part, param, tensors, step) -> None:
+    def _set_distributed(part, param, tensors) -> None:
         if param not in part.model_param_group_index_map:
             return  # another DP rank owns all of it
         span = part._get_model_param_range_map(param)["param"]
@@ -107,9 +142,8 @@ class _Access:
         with torch.no_grad():
             if "param" in tensors:
                 main.copy_(tensors["param"].reshape(-1)[span.start:span.end])
-            part.optimizer.state[main] = {
-                "step": torch.tensor(float(step)),
-                **{k: tensors[k].reshape(-1)[span.start:span.end].to(main.dtype).clone() for k in MOMENTS}}
+            part.optimizer.state[main] = {k: torch.empty_like(main).copy_(tensors[k].reshape(-1)[span.start:span.end])
+                                          for k in MOMENTS}
 
 
 def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter, object, int | None]]:
@@ -122,31 +156,36 @@ def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter, object, int 
 
 def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | Path) -> None:
     """Write the state of ``optimizer`` (over ``model``'s parameters) into ``directory``; see
-    the module doc. Collective over the world."""
+    the module doc. Collective over the world. Streamed: each tensor is made whole over DP and
+    TP on its stage's writer (TP 0 / DP 0), written and freed."""
     from megatron.core import parallel_state as ps
 
-    access, out, steps = _Access(optimizer), {}, [0]
+    access = _Access(optimizer)
     keys = MOMENTS if all(p.dtype == torch.float32 for p in model.parameters()) else ("param", *MOMENTS)
-    for _, param, rule, layer in _named_params(model):
-        state, step = access.get(param)
-        steps.append(step)
-        if rule.mcore == "output_layer.weight" and spec.tie_word_embeddings:
-            continue  # stored once, as the embedding (its state is the embedding's)
-        for key in keys:
-            shards = [state[key]] if rule.kind == "replicated" else gather_tp(state[key])
-            names = hf_names(rule, layer, spec)
-            out.update((f"{key}/{n}", t.contiguous()) for n, t in zip(names, shards_to_hf(rule, shards, spec),
-                                                                      strict=True))
-    step = torch.tensor([max(steps)], dtype=torch.int64)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    step = max_over_world(access.step())
     directory = Path(directory)
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+    first_dp = ps.get_data_parallel_rank() == 0
+    writer = first_dp and ps.get_tensor_model_parallel_rank() == 0
+    items = export_items(model, spec)
+    entries = [TensorEntry(f"{key}/{n}", torch.float32, s) for it in items for key in keys
+               for n, s in zip(it.names, it.shapes, strict=True)]
+    if writer:
         directory.mkdir(parents=True, exist_ok=True)
-        save_file(out, str(directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"), metadata={"format": "pt"})
+    path = directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"
+    with SafetensorsStream(path, entries, {"format": "pt"}) if writer else nullcontext() as out:
+        for item in items:
+            for key in keys:
+                # non-distributed state is the same on every DP rank: DP rank 0 alone sends it
+                shard = access.local(item.param, key) if first_dp or access.is_distributed(item.param) else None
+                full = gather_hf(item, shard, spec) if first_dp else None  # the TP gather
+                if full is not None:
+                    for name, tensor in zip(item.names, full, strict=True):
+                        out.write(f"{key}/{name}", tensor)
+                del shard, full  # one tensor at a time
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / META_FILE).write_text(json.dumps({"format": FORMAT, "step": int(step.item()), "keys": keys}))
+        (directory / META_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "keys": keys}))
 
 
 def is_resharding_checkpoint(directory: str | Path) -> bool:
@@ -177,4 +216,5 @@ def load_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
             if tensors[key].shape != param.shape:
                 raise ValueError(f"{directory}: optimizer state of {name} has shape {tuple(tensors[key].shape)}, "
                                  f"the model expects {tuple(param.shape)}")
-        access.set(param, tensors, int(meta["step"]))
+        access.set(param, tensors)
+    access.set_step(int(meta["step"]))
