@@ -36,7 +36,9 @@ def _perturb(model, seed: int) -> None:
 def pp2_sync(hf_dir: str, snapshot_root: str):
     """Both ranks: PP = 2 model; rank 0 owns a 2-worker hf engine. Weights W1: broadcast (v1),
     snapshot (v2). Weights W2: shared memory (v3), a worker killed and restarted (it loads the
-    shared files again), snapshot (v4), broadcast again (v5: the groups are reused)."""
+    shared files again), snapshot (v4). W3: shared memory (v5, the second write: the other file).
+    W4: shared memory again (v6, the first file rewritten), snapshot (v7), broadcast again (v8:
+    the groups are reused)."""
     import os
     import signal
     import time
@@ -56,11 +58,12 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
     common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel)
     replicas = {mode: Replica(trainer, model, spec, weight_sync=mode, **common)
                 for mode in ("broadcast", "snapshot", "shared_memory")}
-    plan = ((1, "broadcast"), (2, "snapshot"), (3, "shared_memory"), (4, "snapshot"), (5, "broadcast"))
+    plan = ((1, "broadcast"), (2, "snapshot"), (3, "shared_memory"), (4, "snapshot"), (5, "shared_memory"),
+            (6, "shared_memory"), (7, "snapshot"), (8, "broadcast"))
     try:
         out = {"start": _greedy(engine, "s") if engine else None}
         for version, mode in plan:
-            if version in (1, 3):
+            if version in (1, 3, 5, 6):
                 _perturb(model, seed=version)
             replicas[mode].sync_weights(version)
             out[version] = (_greedy(engine, f"v{version}") if engine else None, replicas[mode].pop_results()[1])
@@ -96,11 +99,22 @@ def _same(a, b) -> bool:
 
 def test_broadcast_and_shared_memory_at_pp2_equal_snapshot(synced):
     leader, _, _ = synced
-    results = {v: leader[v][0] for v in range(1, 6)}
+    results = {v: leader[v][0] for v in range(1, 9)}
     assert _same(results[1], results[2])  # broadcast == snapshot, weights W1
-    assert _same(results[3], results[4]) and _same(results[5], results[4])  # shared memory, broadcast: W2
+    assert _same(results[3], results[4])  # shared memory == snapshot: W2
+    assert _same(results[8], results[7])  # broadcast == snapshot: W4
     assert not _same(leader["start"], results[1]) and not _same(results[2], results[3]), "a sync changed nothing"
     assert all([r[2] for r in results[v]] == [v] * 3 for v in results)
+
+
+def test_shared_memory_syncs_in_a_row_hand_each_version_its_own_file(synced):
+    """Three shared-memory writes at PP = 2 (v3, v5, v6: file 0, file 1, file 0 rewritten), each of
+    new weights: every one changes the engine's output, and the last equals a snapshot of them."""
+    leader, _, _ = synced
+    results = {v: leader[v][0] for v in (3, 4, 5, 6, 7)}
+    assert not _same(results[5], results[4]), "the second shared-memory sync handed the engine older weights"
+    assert not _same(results[6], results[5]), "the third shared-memory sync handed the engine older weights"
+    assert _same(results[6], results[7])  # shared memory == snapshot: W4
 
 
 def test_worker_restarted_after_shared_memory_sync_gets_the_weights(synced):
@@ -119,7 +133,7 @@ def test_every_sync_reports_bytes_and_seconds(synced):
     leader, follower, hf_dir = synced
     model_bytes = sum(t.nbytes for t in load_snapshot_tensors(hf_dir).values())
     assert model_bytes <= leader[2][1]["weight_sync_bytes"] < model_bytes + 100_000  # files: + headers
-    for version in (1, 3, 5):
+    for version in (1, 3, 5, 6, 8):
         seconds = leader[version][1]
         assert seconds["weight_sync_bytes"] == model_bytes  # both stages' tensors, counted once
         assert 0 < seconds["weight_sync_transfer"] <= seconds["weight_sync"]
