@@ -192,3 +192,53 @@ def test_resume_on_two_ranks_continues_exactly(tmp_path, layout):
     path = make_tiny_hf(tmp_path / "hf", family, tied=tied, layers=2)
     run_distributed(_resume_worker, 2, path, tmp_path, dtype, distributed, True, tp, pp)
     _assert_resumed_equals_straight(tmp_path, want_master=dtype != "float32")
+
+
+def _record_default_group_use() -> list[str]:
+    """Pretend the default group is NCCL (as on a GPU) and record every collective our code
+    sends through it: on a device run a host tensor there raises "No backend type associated
+    with device type cpu", and here every tensor is a host tensor."""
+    import torch.distributed as dist
+
+    used: list[str] = []
+    real_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group in (None, dist.group.WORLD) else real_backend(group)
+    for op in ("all_reduce", "reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
+               "barrier", "send", "recv", "gather", "gather_object"):
+        setattr(dist, op, _recording(getattr(dist, op), op, used))
+    return used
+
+
+def _recording(real, op: str, used: list[str]):
+    import torch.distributed as dist
+
+    def wrapped(*args, **kwargs):
+        if kwargs.get("group") in (None, dist.group.WORLD):
+            used.append(op)
+        return real(*args, **kwargs)
+    return wrapped
+
+
+def _groups_worker(path, out, tp, distributed):
+    from megatron_rl.parallel.state import initialize_parallel
+    from megatron_rl.trainer.build import build_policy_trainer
+    from megatron_rl.trainer.optimizer_state import load_optimizer_state
+
+    initialize_parallel(tp=tp, pp=1)
+    trainer, policy, spec = build_policy_trainer(_settings(path, "bfloat16", distributed))
+    _train(trainer, spec.vocab_size, 1)
+    used = _record_default_group_use()
+    _save(trainer, policy, spec, out, path)
+    load_optimizer_state(trainer.optimizer, policy, spec, out / "optimizer")
+    return used
+
+
+@pytest.mark.parametrize(("world", "tp", "distributed"), [(1, 1, True), (2, 2, False), (2, 1, True)],
+                         ids=["world1_distributed_optimizer", "tp2", "dp2_distributed_optimizer"])
+def test_saving_sends_nothing_through_the_default_group(tmp_path, world, tp, distributed):
+    """Weights and optimizer state move on megatron's TP / DP groups, host bookkeeping (step,
+    names, barriers) on a gloo group of its own: the default group (NCCL / HCCL on devices)
+    carries none of it, at world 1 neither."""
+    path = make_tiny_hf(tmp_path / "hf", "qwen2", layers=1)
+    for rank, used in enumerate(run_distributed(_groups_worker, world, path, tmp_path / "ckpt", tp, distributed)):
+        assert not used, f"rank {rank}: {used} sent through the default group"

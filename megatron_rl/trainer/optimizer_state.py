@@ -42,7 +42,7 @@ from megatron_rl.models import DecoderSpec
 from megatron_rl.models.convert import ShardInfo, hf_names, hf_to_shard, match_rule
 from megatron_rl.models.hf_io import export_items, gather_hf, layer_offset
 from megatron_rl.models.safetensors_stream import SafetensorsStream, TensorEntry
-from megatron_rl.parallel.gather import max_over_world
+from megatron_rl.parallel.gather import host_barrier, max_over_world
 
 FORMAT = "megatron_rl.optimizer.per_hf_parameter.v1"
 META_FILE = "optimizer.json"
@@ -156,8 +156,8 @@ def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter, object, int 
 
 def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | Path) -> None:
     """Write the state of ``optimizer`` (over ``model``'s parameters) into ``directory``; see
-    the module doc. Collective over the world. Streamed: each tensor is made whole over DP and
-    TP on its stage's writer (TP 0 / DP 0), written and freed."""
+    the module doc. Collective over the world; returns once every file is written. Streamed:
+    each tensor is made whole over DP and TP on its stage's writer (TP 0 / DP 0), written, freed."""
     from megatron.core import parallel_state as ps
 
     access = _Access(optimizer)
@@ -186,6 +186,7 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / META_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "keys": keys}))
+    host_barrier()  # on return, on every rank, the directory is complete
 
 
 def is_resharding_checkpoint(directory: str | Path) -> bool:
