@@ -79,9 +79,22 @@ def test_engine_one_version_behind_makes_the_alarm_stop_the_run(config):
     assert "weights not synced" in message
 
 
-def test_synced_engine_logs_round_off_mismatch_and_trains_through(config):
-    ((status, history),) = run_distributed(_train, 1, config, [*ALARM, "pipeline.mode=sync"], False,
-                                           timeout_s=900)
+DECOUPLED_2_STEPS = ["algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear", "trainer.mini_batches=2",
+                     "trainer.prompts_per_batch=4"]
+SYNCED = {
+    "grpo": [],
+    # A-3PO runs no old copy; after the first optimizer step the policy has drifted from θ_t (lr 1e-2),
+    # so the engine must be compared with θ_t: the old copy kept for the mask, or the first mini-batch only.
+    "a3po_2_steps_token_mask": [*DECOUPLED_2_STEPS, "algorithm.rollout_correction.mode=token_mask",
+                                "algorithm.rollout_correction.c_min=0.5", "algorithm.rollout_correction.c_max=2.0"],
+    "a3po_2_steps_measure_only": DECOUPLED_2_STEPS,
+}
+
+
+@pytest.mark.parametrize("variant", list(SYNCED))
+def test_synced_engine_logs_round_off_mismatch_and_trains_through(config, variant):
+    ((status, history),) = run_distributed(_train, 1, config, [*ALARM, "pipeline.mode=sync", *SYNCED[variant]],
+                                           False, timeout_s=900)
     assert status == "done" and len(history) == 3
     for h in history:
         assert h["mismatch/logprob_abs_diff_mean"] <= 1e-5

@@ -33,7 +33,9 @@ are neither measured nor corrected: the decoupled behaviour weight owns them) an
 ``vllm_importance_sampling_*`` weight multiplies the clipped policy term per token (KL and
 entropy terms unweighted, dropped tokens still in the denominator, as TRL). In
 ``ppo_decoupled`` the behaviour weight stays the one importance weight and the correction
-only masks (no double counting; see ``correction.py``).
+only masks (no double counting; see ``correction.py``). A token whose behaviour log-prob is NaN /
+±inf is left out of the loss entirely (every term, every loss kind, stale tokens included), still
+in the denominator; ``mismatch/nonfinite_behav`` counts those the correction measures.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from megatron_rl.algorithms.correction import (
     Correction,
     MismatchAlarm,
     RolloutCorrection,
+    nonfinite_behav,
     rollout_correction,
 )
 from megatron_rl.algorithms.kl import KLEstimator, kl_estimate
@@ -138,6 +141,7 @@ def policy_loss(
     versions: torch.Tensor | None = None,
     current_version: int | None = None,
     entropy: torch.Tensor | None = None,
+    compare_engine: bool = True,
 ) -> LossOutput:
     """One micro-batch's clipped policy loss; see the module docstring for the aggregation.
 
@@ -148,14 +152,22 @@ def policy_loss(
     engine) and, for ``proximal="recompute"``, ``old_logp`` (the proximal forward); for
     ``proximal="loglinear"``, ``versions [B, L]`` and ``current_version`` instead.
     ``advantages [B]``; ``denominator`` from ``loss_denominator``, summed over the batch.
+    ``compare_engine=False``: ``old_logp`` (or ``logp``) is not the policy that the engine ran
+    (a later mini-batch without an old copy), so no rollout correction and no mismatch metrics.
     """
     _check_shapes(logp, mask, advantages, old_logp, ref_logp, behav_logp, versions, entropy)
     _check_needed(settings, denominator, ref_logp, entropy)
+    # A NaN / inf engine log-prob is no measurement (correction.py): the token leaves the loss,
+    # and the decoupled weight sees a finite stand-in there (the detached policy: weight 1), so
+    # nothing non-finite reaches an exp or a gradient.
+    unusable = None if behav_logp is None else nonfinite_behav(behav_logp, mask)
     anchor, behav = _anchor_and_behaviour(
-        settings, logp, mask, old_logp, behav_logp, versions, current_version
+        settings, logp, mask, old_logp,
+        None if behav_logp is None else torch.where(unusable, logp.detach(), behav_logp),
+        versions, current_version,
     )
     correction, fresh = None, mask.bool()
-    if behav_logp is not None:
+    if behav_logp is not None and compare_engine:
         # Only tokens sampled by the weights the trainer holds as old_logp (staleness 0) have a
         # same-weights comparison; stale tokens (stale mode, d >= 1) are left to the behaviour weight.
         if versions is not None and current_version is not None:
@@ -166,6 +178,8 @@ def policy_loss(
         )
     counted = mask.bool()
     loss_tokens = counted if behav is None else behav.kept
+    if unusable is not None:
+        loss_tokens = loss_tokens & ~unusable
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
     # Padding gets log-ratio 0 (and ref = logp below): garbage there must not reach an exp,
     # where an inf would turn the zero upstream gradient into nan.

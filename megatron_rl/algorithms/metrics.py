@@ -47,10 +47,14 @@ class LossMetrics:
     mismatch: MismatchMetrics | None = None  # engine vs trainer log-probs (given behav_logp)
 
     def merge(self, other: LossMetrics) -> LossMetrics:
-        """Statistics of the union of both token sets (sums added, maxima maxed)."""
+        """Statistics of the union of both token sets (sums added, maxima maxed). ``mismatch``
+        counts its own tokens, so a side that measured none (None) adds nothing to it."""
         merged = {}
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "mismatch" and (a is None or b is None):
+                merged[f.name] = a if b is None else b
+                continue
             if (a is None) != (b is None):
                 raise ValueError(f"cannot merge LossMetrics: {f.name} is set on one side only")
             if f.name == "mismatch" and a is not None:

@@ -6,6 +6,7 @@ Only global rank 0 writes. Values are plain floats keyed by ``group/name`` (``lo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import resource
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.algorithms import LossMetrics
 
 if TYPE_CHECKING:
     from megatron_rl.pipeline import BatchSummary
@@ -95,8 +98,9 @@ def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seco
         "train/nonfinite_steps": float(sum(r.nonfinite for r in results)),
         "memory/peak_gb": peak_memory_gb(),
     })
-    if stepped:
-        metrics.update(stepped[-1].metrics)
+    measured = [r.loss_metrics for r in stepped if r.loss_metrics is not None]
+    if measured:  # sums and maxima: the step's statistics over all its mini-batches
+        metrics.update(functools.reduce(LossMetrics.merge, measured).to_log())
     metrics.update(memory.as_metrics())
     metrics.update(transfer_metrics())
     return metrics

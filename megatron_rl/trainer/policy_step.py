@@ -34,7 +34,7 @@ class MiniBatchResult:
     grad_norm: float
     denominator: float
     loss: float  # the mini-batch's normalised loss
-    metrics: dict[str, float]
+    loss_metrics: LossMetrics | None = None  # the world's sums and maxima (host tensors); None if skipped
     skipped: bool = False  # no optimizer step was taken (no trainable token, or non-finite)
     nonfinite: bool = False  # skipped because the loss or a gradient was NaN / inf on some rank
 
@@ -78,6 +78,8 @@ class PolicyTrainer:
         behav = pad_responses(mb.behav_logprobs.to(logp.dtype), packed)
         out = policy_loss(self.loss, logp=logp, mask=mask, advantages=mb.advantages.to(logp.dtype),
                           denominator=1.0, old_logp=old, ref_logp=ref, behav_logp=behav,
+                          # the engine is compared with θ_t: the old copy, or the policy before the first step
+                          compare_engine=not lp.old_is_policy or mb.mini_batch == 0,
                           versions=mb.versions[:, None].expand_as(mask), current_version=mb.policy_version,
                           entropy=entropy)
         self._numerator += out.loss.detach().to(torch.float64)
@@ -92,7 +94,7 @@ class PolicyTrainer:
         denominator, numerator = self._global_totals()
         if denominator <= 0:  # every group of the mini-batch dropped (dynamic sampling): nothing to learn
             self._reset()
-            return MiniBatchResult(grad_norm=0.0, denominator=0.0, loss=0.0, metrics={}, skipped=True)
+            return MiniBatchResult(grad_norm=0.0, denominator=0.0, loss=0.0, skipped=True)
         from megatron.core import parallel_state as ps
 
         world = world_merged(self._metrics, counts=counts_loss())  # the same world values on every rank
@@ -107,11 +109,10 @@ class PolicyTrainer:
             ok, grad_norm, _ = self.optimizer.step()  # not ok: megatron's own check (fp16 loss scaling)
         if not ok:  # nothing was applied
             self._reset()
-            return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"), metrics={},
+            return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"),
                                    skipped=True, nonfinite=True)
-        metrics = world.to_log() if world is not None else {}
         result = MiniBatchResult(grad_norm=float(grad_norm or 0.0), denominator=denominator,
-                                 loss=numerator / denominator, metrics=metrics)
+                                 loss=numerator / denominator, loss_metrics=world)
         self._reset()
         return result
 

@@ -8,7 +8,10 @@ micro-steps, moved to the device for each one) or ``skipped`` (not built, not ru
   optimizer step, so every forward of the batch sees θ_t (its log-probs are then the
   detached policy log-probs: that is also the ``recompute`` proximal of ``ppo_decoupled``,
   π_prox = θ_t, got without an extra forward), or the loss never reads it
-  (``ppo_decoupled`` with the ``loglinear`` A-3PO proximal, which interpolates instead);
+  (``ppo_decoupled`` with the ``loglinear`` A-3PO proximal, which interpolates instead) and
+  no rollout correction compares the engine with θ_t after the batch's first optimizer step
+  (a correction mode other than ``none`` keeps it; without one, the engine-vs-trainer
+  mismatch is measured on the first mini-batch only, where the policy still is θ_t);
 - the reference is skipped when no loss term needs it (``kl_coef == 0``).
 
 ``plan_trimodel`` makes that decision once, from the loss settings and the optimizer steps
@@ -76,9 +79,14 @@ def plan_trimodel(
     if optimizer_steps_per_batch < 1:
         raise ValueError(f"optimizer_steps_per_batch must be >= 1, got {optimizer_steps_per_batch}")
     steps = optimizer_steps_per_batch
-    if loss.kind == "ppo_decoupled" and loss.proximal == "loglinear":
-        old = CopyPlan(residency=Residency.SKIPPED,
-                       reason="old skipped: proximal = loglinear (A-3PO interpolates, no old-policy forward)")
+    corrects = loss.correction.mode != "none"
+    if loss.kind == "ppo_decoupled" and loss.proximal == "loglinear" and not (steps > 1 and corrects):
+        measured = "" if steps == 1 else "; engine mismatch measured on the first mini-batch only (policy = θ_t)"
+        old = CopyPlan(residency=Residency.SKIPPED, reason="old skipped: proximal = loglinear (A-3PO "
+                       f"interpolates, no old-policy forward){measured}")
+    elif loss.kind == "ppo_decoupled" and loss.proximal == "loglinear":
+        old = _kept("old", offload_old, f"rollout_correction.mode = {loss.correction.mode!r} compares the "
+                    f"engine with θ_t over {steps} optimizer steps per batch")
     elif steps == 1:
         old = CopyPlan(residency=Residency.SKIPPED,
                        reason="old skipped: 1 optimizer step per batch (old == policy == recompute proximal; "
