@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl.algorithms.correction import RolloutCorrection
 from megatron_rl.algorithms.losses import LossSettings
 from megatron_rl.trimodel.offload import HostOffload
 from megatron_rl.trimodel.plan import Residency, plan_trimodel
@@ -126,6 +127,7 @@ def checkpoints(tmp_path_factory):
     return [str(make_tiny_hf(root / f"qwen3_{s}", "qwen3", seed=s, layers=2)) for s in range(3)]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("tp,pp,offload", [(2, 1, False), (1, 2, True)])
 def test_trimodel_equals_three_separate_passes(checkpoints, tp, pp, offload):
     _check(run_distributed(_worker, tp * pp, tp, pp, checkpoints, offload), offload)
@@ -137,6 +139,13 @@ def test_trimodel_equals_three_separate_passes(checkpoints, tp, pp, offload):
         (LossSettings(), 1, Residency.SKIPPED, Residency.SKIPPED),
         (LossSettings(kl_coef=0.05), 4, Residency.RESIDENT, Residency.RESIDENT),
         (LossSettings(kind="ppo_decoupled", proximal="loglinear"), 4, Residency.SKIPPED, Residency.SKIPPED),
+        # a rollout correction compares the engine with θ_t on every mini-batch: A-3PO keeps the old copy for it
+        (LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=RolloutCorrection(mode="token_mask",
+                                                                                                c_max=2.0)),
+         4, Residency.RESIDENT, Residency.SKIPPED),
+        (LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=RolloutCorrection(mode="token_mask",
+                                                                                                c_max=2.0)),
+         1, Residency.SKIPPED, Residency.SKIPPED),
         (LossSettings(kind="ppo_decoupled", proximal="recompute"), 2, Residency.RESIDENT, Residency.SKIPPED),
     ],
 )
