@@ -53,6 +53,19 @@ def _collectives() -> dict[str, torch.Tensor]:
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     check("send_recv", buf, torch.arange(8.0) * (peer + 1))
+    a, b, h = x.to(dev), (x * 3).to(torch.float64).to(dev), x.clone()
+    with dist._coalescing_manager(async_ops=True) as cm:  # megatron's DDP bucket all-reduce
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    dist.all_reduce(h, group=gloo)
+    check("all_reduce_coalesced", torch.cat([a, b.float() / 3]), torch.cat([h, h]))
+    d = torch.empty(2, 4, device=dev)
+    with dist._coalescing_manager(async_ops=True) as cm:  # the distributed optimizer's shards
+        dist.reduce_scatter_tensor(d[0], x.to(dev))
+        dist.reduce_scatter_tensor(d[1], x.to(dev))
+    cm.wait()
+    check("reduce_scatter_coalesced", d[1], out["reduce_scatter_tensor"])
     dist.barrier()
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
         dist.all_reduce(x)
@@ -62,7 +75,7 @@ def _collectives() -> dict[str, torch.Tensor]:
 
 def test_eccl_collectives_equal_gloo_and_refuse_host_tensors():
     results = run_distributed(_collectives, 2)
-    assert results[0].keys() == results[1].keys() and len(results[0]) == 6
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 8
 
 
 def _tiny_gpt_tp2(platform: str, model_dir: str) -> dict[str, torch.Tensor]:

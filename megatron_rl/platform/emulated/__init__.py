@@ -43,6 +43,7 @@ def load():
     from megatron_rl.platform.emulated.build import load_extension
 
     ext = load_extension()
+    ext.register_direct_ops()
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     if not hasattr(torch, DEVICE_TYPE):
         from megatron_rl.platform.emulated import device_module

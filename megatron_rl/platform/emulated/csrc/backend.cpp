@@ -199,4 +199,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::make_tuple(t.h2d, t.d2h, t.h2d_bytes, t.d2h_bytes);
   });
   m.def("reset_transfer_counts", &reset_transfers);
+  m.def("register_direct_ops", &register_direct_ops);
 }

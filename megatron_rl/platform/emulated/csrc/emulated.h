@@ -42,4 +42,8 @@ at::Tensor device_tensor_on(const c10::Storage& storage, const at::Tensor& meta)
 // Grow (or shrink) a device storage in place to `nbytes`, keeping its contents.
 void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
 
+// Route structured ops' functional / in-place variants straight to the CPU fallback; returns
+// how many ops were registered (idempotent).
+int register_direct_ops();
+
 }  // namespace emulated

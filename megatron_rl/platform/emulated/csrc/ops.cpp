@@ -305,7 +305,47 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (info.reads_scalar && !call.storages.empty()) count_d2h(8);
 }
 
+// Skip-list of ops below that must keep their composite kernel: copies (they may cross devices)
+// and in-place metadata / factory ops.
+bool keeps_composite(const c10::FunctionSchema& schema) {
+  static const char* kKeep[] = {"aten::copy", "aten::lift_fresh_copy", "aten::as_strided_",
+                                "aten::new_empty_strided"};
+  for (const char* name : kKeep) {
+    if (schema.operator_name().name == name) return true;
+  }
+  for (const auto& ret : schema.returns()) {
+    if (ret.alias_info() && !ret.alias_info()->isWrite()) return true;  // a view
+  }
+  return false;
+}
+
 }  // namespace
+
+int register_direct_ops() {
+  // Structured ops reach a PrivateUse1 backend through a CompositeExplicitAutogradNonFunctional
+  // kernel: a meta pass, an allocation, then the out= variant. Sending the functional and
+  // in-place variants straight to the fallback (one CPU kernel call) halves the per-op cost.
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+                                            __LINE__);
+  static int count = -1;
+  if (count >= 0) return count;
+  count = 0;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+        keeps_composite(op->schema())) {
+      continue;
+    }
+    std::string qualified = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    ++count;
+  }
+  return count;
+}
+
 }  // namespace emulated
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
