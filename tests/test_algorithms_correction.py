@@ -251,3 +251,73 @@ def test_a_ratio_exactly_at_a_bound_is_kept(mode):
     assert ours.dropped[:, 0].tolist() == [False, False, True, True]
     trl = _trl_ratio(mode, c_min, c_max, old, behav, mask).expand(4, 2) * mask
     assert torch.equal(ours.weight, trl)
+
+
+def _broken_engine(behav, mask):
+    """``behav`` with every counted token of sequence 0 NaN and one token of sequence 2 -inf."""
+    bad = torch.zeros_like(mask, dtype=torch.bool)
+    bad[0, : LENGTHS[0]] = True
+    bad[2, 1] = True
+    broken = behav.clone()
+    broken[0], broken[2, 1] = float("nan"), float("-inf")
+    return broken, bad
+
+
+def test_nonfinite_behaviour_logprobs_are_no_match_and_fire_every_alarm():
+    """NaN / -inf engine log-probs: counted in nonfinite_behav, adding nothing to the diff sums
+    (written out over the finite tokens), dropped in mode none, and over any alarm's limit."""
+    _, old, behav, mask, adv = _tensors(seed=29, spread=0.3)
+    broken, bad = _broken_engine(behav, mask)
+    got = rollout_correction(RolloutCorrection(mode="none"), trainer_logp=old, behav_logp=broken, logp=old,
+                             advantages=adv, mask=mask)
+    log = got.metrics.to_log()
+    good = mask.bool() & ~bad
+    d = (old - behav)[good]
+    n = float(mask.sum())
+    assert log["mismatch/nonfinite_behav"] == float(bad.sum()) == LENGTHS[0] + 1
+    assert log["mismatch/logprob_abs_diff_mean"] == pytest.approx(float(d.abs().sum()) / n)
+    assert log["mismatch/logprob_abs_diff_max"] == pytest.approx(float(d.abs().max()))
+    assert log["mismatch/kl_k3"] == pytest.approx(float((torch.exp(d) - 1 - d).sum()) / n)
+    assert log["mismatch/masked_fraction"] == pytest.approx(float(bad.sum()) / n)
+    assert torch.equal(got.dropped, bad) and torch.equal(got.weight, good.float())
+    loose = MismatchAlarm(kl_k3=1e9)
+    assert alarm_verdict(loose, mismatch_metrics(old, behav, mask)) is None
+    message = alarm_verdict(loose, got.metrics)
+    assert message is not None and f"mismatch/nonfinite_behav = {LENGTHS[0] + 1} > 0" in message
+    assert "NaN / inf log-probs" in message
+
+
+def _written_out_loss(kind, logp, old, behav, mask, adv, versions, current, keep, clip=0.2):
+    """Token-sum policy loss over ``keep`` only: bnpo (ratio to ``old``) or ppo_decoupled with the
+    A-3PO log-linear proximal (α = 1 / max(d, 1)) and its behaviour weight."""
+    total = logp.new_zeros(())
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not keep[b, t]:
+                continue
+            if kind == "ppo_decoupled":
+                alpha = 1.0 / max(current - int(versions[b, t]), 1)
+                anchor = alpha * behav[b, t] + (1 - alpha) * logp[b, t].detach()
+                weight = torch.exp(anchor - behav[b, t])
+            else:
+                anchor, weight = old[b, t], 1.0
+            ratio = torch.exp(logp[b, t] - anchor)
+            total = total - torch.minimum(ratio * adv[b], ratio.clamp(1 - clip, 1 + clip) * adv[b]) * weight
+    return total / mask.sum()
+
+
+@pytest.mark.parametrize("kind", ["bnpo", "ppo_decoupled"])
+def test_nonfinite_behaviour_logprobs_stay_out_of_the_loss_and_its_gradient(kind):
+    logp, old, behav, mask, adv = _tensors(seed=31, spread=0.3)
+    broken, bad = _broken_engine(behav, mask)
+    versions = torch.tensor([[3], [2], [3], [1]]).expand(B, L)  # staleness 0, 1, 0, 2
+    s = LossSettings(kind=kind, proximal="loglinear") if kind == "ppo_decoupled" else LossSettings(kind=kind)
+    out = policy_loss(s, logp=logp, mask=mask, advantages=adv, denominator=float(mask.sum()), old_logp=old,
+                      behav_logp=broken, versions=versions, current_version=3)
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    want = _written_out_loss(kind, logp, old, behav, mask, adv, versions, 3, mask.bool() & ~bad)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    assert torch.isfinite(out.loss) and bool(torch.isfinite(grad).all())
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-7)
+    assert float(out.metrics.n_tokens) == float((mask.bool() & ~bad).sum())

@@ -17,6 +17,8 @@ from megatron_rl.rollout.wrapper import EngineWrapper
 from tests.distributed import run_distributed
 from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -117,11 +119,32 @@ class _NaNEngine(EngineWrapper):
             yield r
 
 
+def _nan_loss_where_the_engine_gave_nan() -> None:
+    """Make the loss NaN on micro-batches whose behaviour log-probs are (the loss itself drops NaN
+    behaviour tokens, ``algorithms.correction``): a NaN loss as an overflow or a broken kernel gives."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.trainer import policy_step
+
+    real = policy_step.policy_loss
+
+    def policy_loss(settings, **kw):
+        out = real(settings, **kw)
+        if bool((kw["mask"].bool() & ~torch.isfinite(kw["behav_logp"])).any()):
+            out = dataclasses.replace(out, loss=out.loss * float("nan"))
+        return out
+
+    policy_step.policy_loss = policy_loss
+
+
 def _train_with_nans(config_path: str, overrides: list[str], nan_steps: list[int]):
     from megatron_rl.config import load_config
     from megatron_rl.rollout import build_engine
     from megatron_rl.trainer.loop import train
 
+    _nan_loss_where_the_engine_gave_nan()
     cfg = load_config(config_path, overrides)
     try:
         return train(cfg, platform="cpu", engine_factory=lambda s: _NaNEngine(build_engine(s), nan_steps))

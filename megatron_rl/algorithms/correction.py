@@ -40,10 +40,18 @@ by the weights the trainer holds (staleness 0) have a same-weights comparison: `
 passes them alone as the mask here, and stale tokens (stale mode, d ≥ 1) are neither measured
 nor corrected; the decoupled behaviour weight owns them.
 
+Non-finite behaviour log-probs (NaN / ±inf from the engine) are no measurement, and never a
+match: such a token gets δ_t = 0 like padding (it must not reach an exp), is dropped (weight 0,
+in every mode, ``none`` included; ``losses.policy_loss`` keeps it out of the loss), is counted in
+``nonfinite_behav``, and any count > 0 is over every ``mismatch_alarm`` (``alarm_verdict``).
+Here we part from TRL, which reads a NaN sampling log-prob as ratio 1 ("unavailable from vLLM").
+
 Metrics (``MismatchMetrics``, over counted tokens, mergeable like ``LossMetrics``):
 ``logprob_abs_diff_mean / max`` of |log π_trainer − log π_behav|, ``kl_k3`` the token mean of
 Schulman's k3 estimate of KL(π_behav ‖ π_trainer), ``seq_ratio_max`` the largest sequence ratio
-exp(Σ_t δ_t) (before bounding), ``masked_fraction`` the counted tokens the correction dropped.
+exp(Σ_t δ_t) (before bounding), ``masked_fraction`` the counted tokens the correction dropped,
+``nonfinite_behav`` the counted tokens whose behaviour log-prob is not finite (a count; they add 0
+to the sums and maxima, and count in the means' token total).
 """
 
 from __future__ import annotations
@@ -86,8 +94,9 @@ class MismatchMetrics:
     kl_k3_sum: torch.Tensor  # Σ k3 estimate of KL(π_behav ‖ π_trainer)
     seq_ratio_max: torch.Tensor  # max over sequences of exp(Σ_t δ_t)
     n_masked: torch.Tensor  # counted tokens whose weight the correction set to 0
+    n_nonfinite: torch.Tensor  # counted tokens whose behaviour log-prob is NaN / ±inf
 
-    SUM_FIELDS = ("n_tokens", "abs_diff_sum", "kl_k3_sum", "n_masked")
+    SUM_FIELDS = ("n_tokens", "abs_diff_sum", "kl_k3_sum", "n_masked", "n_nonfinite")
     MAX_FIELDS = ("abs_diff_max", "seq_ratio_max")
 
     def merge(self, other: MismatchMetrics) -> MismatchMetrics:
@@ -99,7 +108,7 @@ class MismatchMetrics:
         })
 
     def to_log(self, prefix: str = "mismatch/") -> dict[str, float]:
-        """The five ``mismatch/…`` metrics as plain floats (syncs with the device)."""
+        """The six ``mismatch/…`` metrics as plain floats (syncs with the device)."""
         n = max(float(self.n_tokens), 1.0)
         out = {
             "logprob_abs_diff_mean": float(self.abs_diff_sum) / n,
@@ -107,6 +116,7 @@ class MismatchMetrics:
             "kl_k3": float(self.kl_k3_sum) / n,
             "seq_ratio_max": float(self.seq_ratio_max),
             "masked_fraction": float(self.n_masked) / n,
+            "nonfinite_behav": float(self.n_nonfinite),
         }
         return {prefix + k: v for k, v in out.items()}
 
@@ -121,9 +131,17 @@ class Correction:
     metrics: MismatchMetrics
 
 
+def nonfinite_behav(behav_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` bool: counted tokens whose behaviour log-prob is NaN or ±inf (padding aside)."""
+    return mask.bool() & ~torch.isfinite(behav_logp.detach())
+
+
 def log_ratio(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """δ_t = log π_trainer − log π_behav on counted tokens, 0 elsewhere and where NaN: ``[B, L]``."""
-    diff = torch.where(mask.bool(), trainer_logp.detach() - behav_logp.detach(), 0.0)
+    """δ_t = log π_trainer − log π_behav on counted tokens with a finite behaviour log-prob, 0
+    elsewhere and where NaN: ``[B, L]``. A non-finite behaviour log-prob is no match: callers count
+    it (``nonfinite_behav``) and drop it; here it only must not reach an exp."""
+    counted = mask.bool() & torch.isfinite(behav_logp.detach())
+    diff = torch.where(counted, trainer_logp.detach() - behav_logp.detach(), 0.0)
     return torch.nan_to_num(diff, nan=0.0)
 
 
@@ -155,7 +173,8 @@ def off_policy_keep(advantages: torch.Tensor, logp: torch.Tensor, behav_logp: to
     ``advantages [B]``.
     """
     counted = mask.bool()
-    kl = torch.nan_to_num(behav_logp.detach() - logp.detach(), nan=0.0)
+    finite = torch.isfinite(behav_logp.detach())  # a non-finite one is dropped by the caller; 0 here
+    kl = torch.nan_to_num(torch.where(finite, behav_logp.detach() - logp.detach(), 0.0), nan=0.0)
     seq_kl = torch.where(counted, kl, 0.0).sum(dim=-1) / counted.sum(dim=-1).clamp(min=1).to(kl.dtype)
     return (advantages >= 0) | (seq_kl <= delta)
 
@@ -184,8 +203,8 @@ def rollout_correction(
         if settings.delta is not None:
             keep = off_policy_keep(advantages, logp, behav_logp, mask, settings.delta)[:, None]
             weight, dropped = weight * keep.to(weight.dtype), dropped | ~keep
-        dropped = dropped & counted
-        weight = torch.where(counted, weight, 0.0)
+        dropped = (dropped | nonfinite_behav(behav_logp, mask)) & counted  # no measurement: out, in every mode
+        weight = torch.where(counted & ~dropped, weight, 0.0)
         metrics = mismatch_metrics(trainer_logp, behav_logp, mask, dropped)
     return Correction(weight=weight, dropped=dropped, metrics=metrics)
 
@@ -208,6 +227,7 @@ def mismatch_metrics(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask:
         kl_k3_sum=torch.where(counted, k3, 0.0).sum().float(),
         seq_ratio_max=torch.where(has_tokens, seq_ratio, 0.0).max().float() if has_tokens.numel() else zero,
         n_masked=zero if dropped is None else (dropped & counted).sum().float(),
+        n_nonfinite=nonfinite_behav(behav_logp, mask).sum().float(),
     )
 
 
@@ -236,15 +256,26 @@ class MismatchAlarmError(RuntimeError):
     """The training–inference mismatch exceeded ``algorithm.mismatch_alarm`` with action ``stop``."""
 
 
+NONFINITE_CAUSES = (
+    "the engine returned NaN / inf log-probs (an overflow in its dtype, a broken kernel or "
+    "weights); those tokens were kept out of the loss"
+)
+
+
 def alarm_verdict(alarm: MismatchAlarm | None, metrics: MismatchMetrics | None) -> str | None:
-    """A message naming every metric above its threshold, or None when all are within (pure)."""
+    """A message naming every metric above its threshold, or None when all are within (pure).
+    Any non-finite behaviour log-prob is over the limit of every alarm, whatever its thresholds."""
     if alarm is None or metrics is None or float(metrics.n_tokens) <= 0:
         return None
     values = metrics.to_log(prefix="")
     over = [f"mismatch/{name} = {values[name]:.6g} > {limit:.6g}"
             for name, limit in alarm.thresholds().items()
             if limit is not None and not values[name] <= limit]  # NaN counts as over
+    nonfinite = values["nonfinite_behav"] > 0
+    if nonfinite:
+        over.append(f"mismatch/nonfinite_behav = {values['nonfinite_behav']:.0f} > 0")
     if not over:
         return None
+    causes = (NONFINITE_CAUSES + "; " if nonfinite else "") + LIKELY_CAUSES
     return ("training–inference mismatch above algorithm.mismatch_alarm: " + "; ".join(over)
-            + ". Likely causes: " + LIKELY_CAUSES + ".")
+            + ". Likely causes: " + causes + ".")

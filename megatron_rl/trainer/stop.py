@@ -68,6 +68,6 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 f"step {step}: the loss or gradients were NaN / inf in {self.in_a_row} steps in a row "
                 f"(trainer.max_nonfinite_steps={self.limit}); the optimizer skipped them on every rank. Likely "
-                "causes: a learning rate too high, bf16 overflow, NaN behaviour log-probs from the engine, a "
-                "reward returning inf. The last complete checkpoint is unchanged."
+                "causes: a learning rate too high, bf16 overflow, a broken kernel, NaN in the weights. The last "
+                "complete checkpoint is unchanged."
             )
