@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from megatron_rl.control import FixedController
 from megatron_rl.pipeline import BatchSummary, GroupScoring, MicroBatch, Pipeline, PipelineSettings
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
+from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
 MAX_NEW_TOKENS = 6
 
@@ -49,7 +50,7 @@ class FakeEngine:
         with self._lock:
             return self._version
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
+    def load_weights(self, update, version: int) -> None:
         with self._lock:
             self._version = version
             self.updates.append(version)
@@ -146,7 +147,7 @@ class FakeTrainer:
         if self.fail_finish_at is not None and len(self.syncs) == self.fail_finish_at:
             raise ValueError("optimizer exploded")
         self.syncs.append(version)
-        self.engine.update_weights(f"/snapshots/{version}", version)
+        self.engine.load_weights(SnapshotUpdate(f"/snapshots/{version}"), version)
         return version
 
 

@@ -6,7 +6,7 @@ Faults are chosen by the worker's environment (``WorkerSpec.env``):
 
     FAULT_HANG_ON=<request id>   sleep forever when that request comes up
     FAULT_CRASH_ON=<request id>  exit the process (code 3) when that request comes up
-    FAULT_HANG_LOAD=1            sleep forever in load_weights / load_tensors (after receiving)
+    FAULT_HANG_LOAD=1            sleep forever in load_tensors (after receiving)
     FAULT_HANG_DEVICE=1          sleep forever when asked for its device (before a broadcast)
     FAULT_ONCE_DIR=<dir>         fire each fault once per run (a marker file per fault), so
                                  the restarted worker gets through; unset: fire every time
@@ -60,9 +60,6 @@ class EchoBackend:
         if os.environ.get("FAULT_HANG_DEVICE") and _fire("hang-device"):
             time.sleep(10_000)
         return torch.device("cpu")
-
-    def load_weights(self, snapshot_dir: str) -> None:
-        self._maybe_hang_load()
 
     def load_tensors(self, named_tensors) -> None:
         for _ in named_tensors:

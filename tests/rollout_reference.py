@@ -89,3 +89,20 @@ def load_snapshot_tensors(snapshot_dir) -> dict:
     for file in sorted(Path(snapshot_dir).glob("*.safetensors")):
         tensors.update(load_file(file))
     return tensors
+
+
+def make_sender(engine, transport: str, named_tensors, scratch, *, bucket_mb: int = 256):
+    """``transport``'s sender of fixed HF-named tensors into ``engine``, as the trainer's is
+    built (a one-rank replica); its groups and files live as long as it does."""
+    from pathlib import Path
+
+    from megatron_rl.weight_sync import SenderSetup, TensorSource, build_sender
+
+    setup = SenderSetup(source=TensorSource(named_tensors), engine=engine, scratch=Path(scratch),
+                        bucket_bytes=bucket_mb << 20)
+    return build_sender(transport, setup)
+
+
+def sync(engine, transport: str, named_tensors, version: int, scratch, *, bucket_mb: int = 256) -> None:
+    """One sync of fixed HF-named tensors into ``engine`` by a new ``transport`` sender."""
+    make_sender(engine, transport, named_tensors, scratch, bucket_mb=bucket_mb).sync(version)

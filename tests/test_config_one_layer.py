@@ -53,9 +53,9 @@ def test_a_component_reports_what_the_config_reports(override, build):
 
 def test_registries_hold_the_schemas_names():
     from megatron_rl.attention.backends import _IMPLS, BACKENDS
-    from megatron_rl.rollout.broadcast import GROUP_BACKENDS
     from megatron_rl.rollout.worker import BACKEND_CLASSES
     from megatron_rl.trainer.build import DTYPES
+    from megatron_rl.weight_sync.group import GROUP_BACKENDS
 
     assert set(BACKEND_CLASSES) == set(get_args(schema.EngineName))
     assert BACKENDS == get_args(schema.AttentionBackend) and set(_IMPLS) == set(BACKENDS) - {"auto"}

@@ -17,7 +17,7 @@ ALARM = ["algorithm.mismatch_alarm.logprob_abs_diff_mean=1e-4", "algorithm.misma
 
 
 class OneVersionBehindEngine:
-    """Wraps a real engine; ``update_weights(snapshot_v, v)`` loads the previous snapshot (the
+    """Wraps a real engine; ``load_weights(snapshot_v, v)`` loads the previous snapshot (the
     checkpoint's weights for v = 1) while reporting version v: weights not synced, labels fine."""
 
     def __init__(self, inner, initial: str) -> None:
@@ -26,12 +26,13 @@ class OneVersionBehindEngine:
     def generate(self, requests):
         yield from self.inner.generate(requests)
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
-        self.inner.update_weights(self.previous, version)
-        self.previous = snapshot_dir
+    def load_weights(self, update, version: int) -> None:
+        from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
-    def update_weights_from_tensors(self, named_tensors, version: int) -> None:
-        raise NotImplementedError("this test uses rollout.weight_sync=snapshot")
+        if not isinstance(update, SnapshotUpdate):
+            raise NotImplementedError("this test uses rollout.weight_sync=snapshot")
+        self.inner.load_weights(SnapshotUpdate(self.previous), version)
+        self.previous = update.path
 
     @property
     def weight_version(self) -> int:

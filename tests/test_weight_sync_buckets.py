@@ -1,6 +1,6 @@
-"""Flat-bucket packing for weight sync (``rollout.buckets``): every tensor comes back bit-exact
+"""Flat-bucket packing for weight sync (``weight_sync.buckets``): every tensor comes back bit-exact
 across dtypes, bucket boundaries and tensors larger than a bucket, in-process and through a
-real gloo broadcast group; the shared-memory files (``rollout.shared_weights``) likewise, and a
+real gloo broadcast group; the shared-memory files (``weight_sync.shared_memory``) likewise, and a
 version's file survives the next write."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.rollout.broadcast import GroupAddress, make_group, open_listener, receive_tensors, send_tensors
-from megatron_rl.rollout.buckets import BufferRing, TensorSpec, Unpacker, pack, plan_buckets
-from megatron_rl.rollout.shared_weights import SharedWeightsWriter, read_shared
+from megatron_rl.weight_sync.buckets import BufferRing, TensorSpec, Unpacker, pack, plan_buckets
+from megatron_rl.weight_sync.group import GroupAddress, make_group, open_listener, receive_tensors, send_tensors
+from megatron_rl.weight_sync.shared_memory import SharedWeightsWriter, read_shared
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:

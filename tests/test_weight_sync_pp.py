@@ -52,10 +52,10 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
     model, spec = load_model_from_hf(hf_dir)
     channel = ReplicaChannel()
     engine = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=hf_dir, num_engines=2,
-                                         max_batch_size=3, weight_sync="broadcast", sync_bucket_mb=1,
+                                         max_batch_size=3, weight_sync="broadcast",
                                          request_timeout_s=120)) if channel.is_leader else None
     trainer = SimpleNamespace(begin_batch=lambda: None)
-    common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel)
+    common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel, sync_bucket_mb=1)
     replicas = {mode: Replica(trainer, model, spec, weight_sync=mode, **common)
                 for mode in ("broadcast", "snapshot", "shared_memory")}
     plan = ((1, "broadcast"), (2, "snapshot"), (3, "shared_memory"), (4, "snapshot"), (5, "shared_memory"),

@@ -85,6 +85,7 @@ def bench(args: argparse.Namespace) -> dict:
     from megatron_rl.models import load_model_from_hf, save_hf_checkpoint
     from megatron_rl.parallel.state import destroy_parallel, initialize_parallel
     from megatron_rl.rollout import EngineSettings, GenerationRequest, SamplingSettings, build_engine
+    from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
     work = Path(tempfile.mkdtemp(prefix="bench_mismatch_"))
     model_dir = Path(args.model)
@@ -105,7 +106,7 @@ def bench(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         if not args.skip_sync:
             save_hf_checkpoint(model, spec, work / "v1", source_dir=model_dir)
-            engine.update_weights(str(work / "v1"), 1)
+            engine.load_weights(SnapshotUpdate(str(work / "v1")), 1)
         sync_s = time.perf_counter() - start
         tok = AutoTokenizer.from_pretrained(model_dir)
         stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()

@@ -3,14 +3,16 @@
     python tools/bench_weight_sync.py [--model .cache/models/smollm2-135m-instruct] [--big 7b|3b|none]
 
 Demo model (SmolLM2-135M, fp32, ~0.54 GB): for each engine (``hf``, ``vllm`` when installed)
-and each ``rollout.weight_sync`` path, ``--syncs`` syncs of perturbed HF tensors into one
-worker, as the trainer does them after its HF export (snapshot: write the safetensors
-snapshot to /dev/shm + the worker reloads it; broadcast: flat buckets of ``--bucket-mb`` over
-the gloo group + load; shared_memory: write the /dev/shm weights file + the worker copies
-from it), the first not timed. Then a 7B-size synthetic tensor set (Qwen2.5-7B shapes, bf16, ~15.2 GB) through
-the bucketed broadcast path into a worker whose backend only receives (``SinkBackend``:
-transfer alone, no engine). Its tensors are views of one random bf16 buffer the size of the
-largest tensor, so the sender needs ~1 GB, not 15 (every byte is still packed and sent).
+and each ``rollout.weight_sync`` transport (``megatron_rl.weight_sync.TRANSPORTS``), ``--syncs``
+syncs of perturbed HF tensors into one worker by that transport's own sender, built once as
+the trainer builds it, over what the trainer's HF export yields (snapshot: write the
+safetensors snapshot to /dev/shm + the worker loads it; broadcast: flat buckets of
+``--bucket-mb`` over the gloo group + load; shared_memory: write the /dev/shm weights file +
+the worker copies from it), the first not timed. Then a 7B-size synthetic tensor set
+(Qwen2.5-7B shapes, bf16, ~15.2 GB) through the bucketed broadcast path into a worker whose
+backend only receives (``SinkBackend``: transfer alone, no engine). Its tensors are views of
+one random bf16 buffer the size of the largest tensor, so the sender needs ~1 GB, not 15
+(every byte is still packed and sent).
 
 Prints one JSON line: ``{"demo": {"hf": {"snapshot": {"s", "best_s", "gb_per_s", "cpu_s"},
 "broadcast": ..., "shared_memory": ...}, "vllm": ...}, "big": {"shape", "gb", "s", "gb_per_s"},
@@ -96,18 +98,22 @@ class SinkBackend:
         for _, t in named_tensors:
             self.checksum += float(t.view(-1)[:1].float().sum())
 
-    def load_weights(self, snapshot_dir: str) -> None:
-        raise NotImplementedError
-
     def generate(self, requests, weight_version):
         raise NotImplementedError
 
 
-def _settings(engine: str, model_path: str, sync: str, bucket_mb: int, **extra):
+def _settings(engine: str, model_path: str, **extra):
     from megatron_rl.rollout import EngineSettings
 
-    return EngineSettings(engine=engine, model_path=model_path, dtype="float32", num_engines=1,
-                          weight_sync=sync, sync_bucket_mb=bucket_mb, max_batch_size=4, **extra)
+    return EngineSettings(engine=engine, model_path=model_path, dtype="float32", num_engines=1, max_batch_size=4,
+                          **extra)
+
+
+def _sender(engine, transport: str, tensors, scratch: Path, bucket_mb: int):
+    from megatron_rl.weight_sync import SenderSetup, TensorSource, build_sender
+
+    return build_sender(transport, SenderSetup(source=TensorSource(tensors), engine=engine, scratch=scratch,
+                                               bucket_bytes=bucket_mb << 20))
 
 
 def cpu_seconds(pids) -> float:
@@ -120,30 +126,18 @@ def cpu_seconds(pids) -> float:
     return total
 
 
-def time_syncs(engine, tensors, sync: str, syncs: int, root: Path) -> list[tuple[float, float]]:
-    """(wall, CPU) seconds of ``syncs`` syncs (the first dropped), perturbed tensors each time;
-    CPU counts the trainer process and the workers (the machine may be shared: CPU seconds are
-    the cost, wall seconds what a user waits)."""
-    from safetensors.torch import save_file
-
-    from megatron_rl.rollout.shared_weights import SharedWeightsWriter
-
-    writer, out = SharedWeightsWriter(root / "weights.bin"), []
-    first = engine.weight_version + 1  # one engine serves every path: versions continue
+def time_syncs(engine, tensors, sender, syncs: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of ``syncs`` syncs by ``sender`` (the first dropped), perturbed
+    tensors each time; CPU counts the trainer process and the workers (the machine may be
+    shared: CPU seconds are the cost, wall seconds what a user waits)."""
+    out = []
+    first = engine.weight_version + 1  # one engine serves every transport: versions continue
     for version in range(first, first + syncs):
         for _, t in tensors[:4]:
             t.add_(1e-3)  # new weights every version (a few tensors suffice: the path moves all)
         pids = [s.pid for s in engine.status()]
         start, cpu = time.perf_counter(), cpu_seconds(pids)
-        if sync == "broadcast":
-            engine.update_weights_from_tensors(tensors, version)
-        elif sync == "shared_memory":
-            engine.update_weights_from_shared([writer.write(tensors)], version)
-        else:
-            snap = root / f"v{version}"
-            snap.mkdir()
-            save_file(dict(tensors), str(snap / "model.safetensors"), metadata={"format": "pt"})
-            engine.update_weights(str(snap), version)
+        sender.sync(version)
         out.append((time.perf_counter() - start, cpu_seconds(pids) - cpu))
     return out[1:]
 
@@ -152,15 +146,16 @@ def bench_demo(args, engine_name: str) -> dict:
     from safetensors.torch import load_file
 
     from megatron_rl.rollout import build_engine
+    from megatron_rl.weight_sync import TRANSPORTS
 
     tensors = sorted(load_file(str(Path(args.model) / "model.safetensors")).items())
     gb = sum(t.nbytes for _, t in tensors) / 1e9
     out = {}
-    engine = build_engine(_settings(engine_name, args.model, "broadcast", args.bucket_mb))  # a pool does all three
+    engine = build_engine(_settings(engine_name, args.model))  # one pool takes every transport
     try:
         with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
-            timings_of = {sync: time_syncs(engine, tensors, sync, args.syncs, Path(root))
-                          for sync in ("snapshot", "broadcast", "shared_memory")}
+            timings_of = {sync: time_syncs(engine, tensors, _sender(engine, sync, tensors, Path(root), args.bucket_mb),
+                                           args.syncs) for sync in TRANSPORTS}
     finally:
         engine.shutdown()
     for sync, timings in timings_of.items():
@@ -176,16 +171,15 @@ def bench_big(args) -> dict:
 
     tensors = qwen2_tensors(args.big)
     gb = sum(t.nbytes for _, t in tensors) / 1e9
-    (spec,) = worker_specs(_settings("hf", args.model, "broadcast", args.bucket_mb))
+    (spec,) = worker_specs(_settings("hf", args.model))
     from dataclasses import replace
 
-    pool = WorkerPool([replace(spec, backend="bench_weight_sync:SinkBackend")], max_batch_size=1,
-                      sync_bucket_mb=args.bucket_mb)
+    pool = WorkerPool([replace(spec, backend="bench_weight_sync:SinkBackend")], max_batch_size=1)
     try:
-        seconds = []
+        sender, seconds = _sender(pool, "broadcast", tensors, Path(tempfile.gettempdir()), args.bucket_mb), []
         for version in range(1, args.big_syncs + 1):
             start = time.perf_counter()
-            pool.update_weights_from_tensors(tensors, version)
+            sender.sync(version)
             seconds.append(time.perf_counter() - start)
     finally:
         pool.shutdown()

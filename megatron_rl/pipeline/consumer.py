@@ -8,7 +8,7 @@
                 for micro_batch in mini_batch:
                     trainer.train_micro_batch(micro_batch)
                 trainer.optimizer_step()
-            version = trainer.sync_weights(batch.policy_version + 1)   # engine.update_weights
+            version = trainer.sync_weights(batch.policy_version + 1)   # engine.load_weights
             summary = pipe.complete(batch, version)        # publishes the version to the producer
 
 ``complete`` checks that the engine runs the new version, then publishes it, which releases
@@ -19,7 +19,7 @@ original) at the next pop, within ``poll_s``, and stops the pipeline. Leaving th
 block with an exception (trainer or producer) stops the producer, joins it and shuts the
 engine down before the exception propagates. The pipeline owns the engine's lifetime from
 ``start`` on. In ``stale`` mode ``sync_weights`` runs while the producer may be iterating
-``engine.generate``: the engine must accept ``update_weights`` concurrently (results then
+``engine.generate``: the engine must accept ``load_weights`` concurrently (results then
 carry the version that produced them).
 """
 
@@ -213,7 +213,7 @@ class Pipeline:
         summary = summarize(batch, new_version, self._wait_s, self._extra_metrics())
         if self._engine.weight_version != new_version:
             raise RuntimeError(f"the trainer synced version {new_version} but the engine runs "
-                               f"{self._engine.weight_version}: sync_weights must call engine.update_weights")
+                               f"{self._engine.weight_version}: sync_weights must call engine.load_weights")
         self.versions.publish(new_version)  # ValueError unless policy_version + 1
         self._batch_index += 1
         self._current = None

@@ -142,13 +142,7 @@ class NullEngine:
     def generate(self, requests):
         raise RuntimeError("a replay has no rollout engine")
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
-        self.weight_version = version
-
-    def update_weights_from_tensors(self, named_tensors, version: int, peers=None) -> None:
-        self.weight_version = version
-
-    def update_weights_from_shared(self, layouts, version: int) -> None:
+    def load_weights(self, update, version: int) -> None:
         self.weight_version = version
 
     def shutdown(self) -> None:

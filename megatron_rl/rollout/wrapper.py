@@ -7,11 +7,10 @@ route to a remote service) and forwards everything else of the ``RolloutEngine``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-
-import torch
+from collections.abc import Iterator, Sequence
 
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine
+from megatron_rl.weight_sync import WeightUpdate
 
 
 class EngineWrapper:
@@ -23,12 +22,8 @@ class EngineWrapper:
     def generate(self, requests: Sequence[GenerationRequest]) -> Iterator[GenerationResult]:
         return self.inner.generate(requests)
 
-    def update_weights(self, snapshot_dir: str, version: int) -> None:
-        self.inner.update_weights(snapshot_dir, version)
-
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                                    **peers) -> None:
-        self.inner.update_weights_from_tensors(named_tensors, version, **peers)  # peers= at PP > 1
+    def load_weights(self, update: WeightUpdate, version: int) -> None:
+        self.inner.load_weights(update, version)
 
     @property
     def weight_version(self) -> int:

@@ -31,7 +31,9 @@ from megatron_rl.trainer.checkpoint import RunState, finalize, staging_dir
 from megatron_rl.trainer.data_parallel import DispatchChannel
 from megatron_rl.trainer.optimizer_state import save_optimizer_state
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
+from megatron_rl.trainer.policy_weights import PolicyWeights, stage_place
 from megatron_rl.trainer.stop import StopRequest
+from megatron_rl.weight_sync import SenderSetup, build_sender
 
 
 class ReplicaChannel:
@@ -62,11 +64,16 @@ class Replica:
 
     def __init__(self, trainer: PolicyTrainer, policy, spec: DecoderSpec, *, engine: RolloutEngine | None,
                  snapshot_root: str | Path, source_dir: str | Path, channel: ReplicaChannel,
-                 weight_sync: str = "snapshot", dispatch: DispatchChannel | None = None) -> None:
-        """``dispatch``: rank 0 -> the other replicas' leaders (DP > 1), else None."""
+                 weight_sync: str = "snapshot", sync_bucket_mb: int = 256,
+                 dispatch: DispatchChannel | None = None) -> None:
+        """``weight_sync``: a ``rollout.weight_sync`` transport, its sender built here once;
+        ``dispatch``: rank 0 -> the other replicas' leaders (DP > 1), else None."""
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
-        self.channel, self.weight_sync, self.dispatch = channel, weight_sync, dispatch
+        self.channel, self.dispatch = channel, dispatch
+        self.sender = build_sender(weight_sync, SenderSetup(
+            source=PolicyWeights(policy, spec, source_dir), engine=engine, channel=channel, place=stage_place(),
+            scratch=self.snapshot_root, bucket_bytes=sync_bucket_mb << 20))
         self.stop = StopRequest()  # installed by the loop
         self.results: list[MiniBatchResult] = []
         self.seconds = {"train": 0.0, "optimizer": 0.0, "weight_sync": 0.0}  # since the last pop_results()
@@ -85,32 +92,17 @@ class Replica:
         self.seconds["optimizer"] += time.perf_counter() - start
 
     def sync_weights(self, version: int) -> int:
-        """Hand the policy to the engines as ``version`` (``broadcast`` / ``shared_memory``: each
-        PP stage's TP rank 0 sends its stage's HF tensors, in flat buckets or through a /dev/shm
-        file, ``trainer.stage_sync``; or a HF snapshot every PP stage writes and the engines
-        reload), then snapshot it as the next batch's old policy. Adds to ``seconds``:
-        ``weight_sync`` (all of it), ``weight_sync_transfer`` (the hand-over alone) and
-        ``weight_sync_bytes`` (bytes of the HF tensors handed over; GB/s = bytes / 1e9 /
-        transfer). Returns ``version``."""
-        from megatron_rl.trainer.stage_sync import StageSender, broadcast_weights, shared_memory_weights
-
+        """Hand the policy to the engines as ``version`` (this rank's part of the sender's
+        ``sync``, ``megatron_rl.weight_sync``), then snapshot it as the next batch's old
+        policy. Adds to ``seconds``: ``weight_sync`` (all of it), ``weight_sync_transfer`` (the
+        hand-over alone) and ``weight_sync_bytes`` (bytes of the HF tensors handed over; GB/s =
+        bytes / 1e9 / transfer). Returns ``version``."""
         start = time.perf_counter()
-        if self.weight_sync == "broadcast":
-            self.__dict__.setdefault("stage_sender", StageSender())  # its sync groups outlive one call
-            nbytes = broadcast_weights(self, version)
-        elif self.weight_sync == "shared_memory":
-            nbytes = shared_memory_weights(self, version)
-        else:
-            snapshot = self.snapshot_root / f"v{version}"
-            save_hf_checkpoint(self.policy, self.spec, snapshot, source_dir=self.source_dir)
-            nbytes = sum(f.stat().st_size for f in snapshot.glob("*.safetensors"))
-            if self.engine is not None:
-                self.engine.update_weights(str(snapshot), version)
-                shutil.rmtree(self.snapshot_root / f"v{version - 2}", ignore_errors=True)  # keep two
+        stats = self.sender.sync(version)
         transfer = time.perf_counter() - start
         self.trainer.begin_batch()
         self.seconds["weight_sync"] += time.perf_counter() - start
-        for key, value in (("weight_sync_transfer", transfer), ("weight_sync_bytes", float(nbytes))):
+        for key, value in (("weight_sync_transfer", transfer), ("weight_sync_bytes", float(stats.nbytes))):
             self.seconds[key] = self.seconds.get(key, 0.0) + value
         return version
 

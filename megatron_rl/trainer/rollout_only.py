@@ -15,6 +15,7 @@ from megatron_rl.rollout import build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.metrics import MetricsLogger, format_step, rollout_metrics
 from megatron_rl.trainer.setup import EngineFactory, build_pipeline
+from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
 
 def generate_only(cfg: Config, *, engine_factory: EngineFactory | None = None) -> list[dict]:
@@ -29,7 +30,7 @@ def generate_only(cfg: Config, *, engine_factory: EngineFactory | None = None) -
                 for mini_batch in batch.mini_batches():
                     for _ in mini_batch:
                         pass  # packed like a training step, not trained
-                engine.update_weights(cfg.model.hf_path, batch.policy_version + 1)  # same weights, next version
+                engine.load_weights(SnapshotUpdate(cfg.model.hf_path), batch.policy_version + 1)  # same weights
                 summary = pipeline.complete(batch, batch.policy_version + 1)
                 metrics = rollout_metrics(summary, step_s=time.perf_counter() - start)
                 logger.log(step, metrics)

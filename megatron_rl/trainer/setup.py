@@ -79,7 +79,8 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
         engine = NullEngine() if replay else (engine_factory or build_engine)(
             from_config.engine_settings(cfg, model_path=policy_path))
     replica = Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
-                      channel=channel, weight_sync=cfg.rollout.weight_sync, dispatch=dispatch)
+                      channel=channel, weight_sync=cfg.rollout.weight_sync,
+                      sync_bucket_mb=cfg.rollout.sync_bucket_mb, dispatch=dispatch)
     first = resume.step if resume else 0
     if not driver:
         return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=snapshots)
