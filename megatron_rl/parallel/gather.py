@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_HOST_GROUPS: dict[int, object] = {}  # id(default group) -> its gloo twin
-
 
 def gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather ``shard`` over the tensor-parallel group; list in TP-rank order."""
@@ -51,15 +49,10 @@ def gather_tp_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def host_group():
-    """A gloo group over the whole world for host tensors and objects (None: the default group
-    is gloo already). Created on first use, so every rank must make its first call at the same
-    point of the program: every caller here is collective over the world."""
-    if dist.get_backend() == "gloo":
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
-    return _HOST_GROUPS[key]
+    """A gloo group over the whole world for host tensors and objects (``parallel.state``)."""
+    from megatron_rl.parallel.state import host_world_group
+
+    return host_world_group()
 
 
 def max_over_world(value: int) -> int:

@@ -84,16 +84,19 @@ def initialize_parallel(
 # Host-side twins of the world and of this rank's model-parallel group, on gloo whatever the
 # training backend: flags the host owns (a stop request) and pickled control messages (replica
 # calls) go there, so nothing on the host crosses NCCL / HCCL, which take device tensors only.
-_HOST_GROUPS: dict[str, object] = {}
+_HOST_GROUPS: dict[object, object] = {}
 
 
 def host_world_group():
-    """A gloo group of the whole world (the default group itself when that is gloo)."""
-    if "world" not in _HOST_GROUPS:
-        if dist.get_backend() != "gloo":
-            raise RuntimeError("no host group: call initialize_parallel() before host-side collectives")
+    """A gloo group of the whole world: the default group itself when that is gloo, else the one
+    ``initialize_parallel`` made, or (outside it) one made on first use, so every rank must then
+    make its first call at the same point of the program (every caller is collective)."""
+    if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    return _HOST_GROUPS["world"]
+    key = ("world", id(dist.group.WORLD))  # a new default group (tests re-initialise) gets its own
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
 
 
 def host_model_parallel_group():
@@ -105,17 +108,16 @@ def _build_host_groups(plat: Platform) -> None:
     """Create the host groups once per initialisation (collective over the world, same order everywhere)."""
     from megatron.core import parallel_state
 
-    if _HOST_GROUPS:
+    if "model_parallel" in _HOST_GROUPS:
         return
     mp_group = parallel_state.get_model_parallel_group()
+    world = host_world_group()
     if plat.dist_backend == "gloo":
-        _HOST_GROUPS.update(world=dist.group.WORLD, model_parallel=mp_group)
+        _HOST_GROUPS["model_parallel"] = mp_group
         return
-    world = dist.new_group(backend="gloo")
     everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(mp_group)), group=world)
-    mine, _ = dist.new_subgroups_by_enumeration(sorted(set(everyone)), backend="gloo")
-    _HOST_GROUPS.update(world=world, model_parallel=mine)
+    _HOST_GROUPS["model_parallel"], _ = dist.new_subgroups_by_enumeration(sorted(set(everyone)), backend="gloo")
 
 
 def destroy_parallel() -> None:
