@@ -93,7 +93,9 @@ def _tiny_gpt_tp2(platform: str, model_dir: str) -> dict[str, torch.Tensor]:
     assert logits.device == plat.device
     logits.float().pow(2).mean().backward()
     grads = {name: p.grad.cpu() for name, p in model.named_parameters() if p.grad is not None}
-    return {"logits": logits.detach().cpu(), **grads}
+    # megatron's parameter attributes survive the move to the device (grad clipping, DDP read them)
+    marks = torch.tensor([float(getattr(p, "tensor_model_parallel", -1)) for p in model.parameters()])
+    return {"logits": logits.detach().cpu(), "tensor_model_parallel": marks, **grads}
 
 
 def test_megatron_tp2_on_emulated_equals_cpu(tmp_path):

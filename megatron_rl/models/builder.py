@@ -67,7 +67,7 @@ def build_gpt_model(
     device; weights are random (initialised on the CPU, as ``use_cpu_initialization`` asks)."""
     from megatron.core import parallel_state
 
-    from megatron_rl.platform import compute_device
+    from megatron_rl.platform import compute_device, to_device_
 
     config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides)
     model = _gpt_model_class()(
@@ -81,4 +81,4 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
-    return model.to(device=compute_device(), dtype=params_dtype)
+    return to_device_(model.to(params_dtype), compute_device())

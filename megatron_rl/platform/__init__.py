@@ -5,5 +5,6 @@ Call ``setup_platform()`` once per process before building models; it is idempot
 """
 
 from megatron_rl.platform.device import Platform, compute_device, current_platform, detect_platform, setup_platform
+from megatron_rl.platform.placement import to_device_
 
-__all__ = ["Platform", "compute_device", "current_platform", "detect_platform", "setup_platform"]
+__all__ = ["Platform", "compute_device", "current_platform", "detect_platform", "setup_platform", "to_device_"]

@@ -3,7 +3,9 @@
 Why: megatron-core 0.16 recognises parameters by ``tensor.type()`` strings
 (``'torch.cuda.FloatTensor'`` ...) when building optimizer parameter groups and when clipping
 gradients, and moves the tied embedding to the device with ``weight.data.cuda()`` in
-``LanguageModule.setup_embeddings_and_output_layer`` (PP > 1). On CPU those strings read
+``LanguageModule.setup_embeddings_and_output_layer`` (PP > 1, tied embeddings; on the emulated
+device the stage is moved there first: ``cpu_param.data = device_tensor`` is refused for a
+PrivateUse1 device, see ``platform/placement.py``). On CPU those strings read
 ``'torch.FloatTensor'`` (``'torch.emulated.FloatTensor'`` on the emulated device) and
 ``.cuda()`` raises.
 
@@ -26,6 +28,7 @@ import threading
 import torch
 
 from megatron_rl.platform.patches.cpu_torch_proxy import target_device
+from megatron_rl.platform.placement import to_device_
 
 _LOCK = threading.RLock()
 _ORIG_TYPE = torch.Tensor.type
@@ -73,6 +76,10 @@ def _wrap(fn):
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        if fn.__name__ == "setup_embeddings_and_output_layer" and target_device().type != "cpu":
+            # It runs `weight.data = weight.data.cuda()` on a CPU-initialised weight, which torch
+            # refuses for a PrivateUse1 device: move the module first (kept parameters, as on CUDA).
+            to_device_(args[0], target_device())
         with cuda_tensor_api_on_cpu():
             return fn(*args, **kwargs)
 
