@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EMULATED_STAMP := $(VENV)/.emulated-built
 EMULATED_SRC := $(wildcard megatron_rl/platform/emulated/csrc/*)
 
-.PHONY: install test lint demo clean
+.PHONY: install test test-fast lint demo clean
 
 install: $(STAMP) $(EMULATED_STAMP)
 
@@ -30,8 +30,13 @@ $(EMULATED_STAMP): $(STAMP) $(EMULATED_SRC)
 	$(PY) -m megatron_rl.platform.emulated --build
 	touch $(EMULATED_STAMP)
 
+# Every tier (what CI runs).
 test: install
 	$(PY) -m pytest -q tests
+
+# The edit-test loop: no full training runs, process worlds or vLLM engines (pytest.ini markers).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not multiproc and not vllm" tests
 
 lint: install
 	$(PY) -m ruff check megatron_rl kernels tools tests

@@ -22,7 +22,8 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the one helper for every test)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     # Not daemonic: a rank may start processes of its own (rollout engine workers).
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False) for r in range(world_size)

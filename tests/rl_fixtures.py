@@ -81,6 +81,16 @@ def recording_factory(settings):
     return RecordingEngine(build_engine(settings))
 
 
+def train_run(config_path: str, overrides: list[str] = (), replay: str | None = None) -> list[dict]:
+    """A rank's body (``run_distributed(train_run, world, config, overrides)``): train on the CPU
+    platform from ``config_path`` + ``overrides`` (``replay``: a recording to train on); the
+    metric history."""
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.loop import train
+
+    return train(load_config(config_path, list(overrides)), platform="cpu", replay=replay)
+
+
 def train_recorded(config_path: str, overrides: list[str]):
     """A rank's body: train with a recording engine; return (history, the leader's engine results)."""
     from megatron_rl.config import load_config

@@ -5,7 +5,6 @@ gradients of its micro-batches (1, 2, 4 and uneven splits), and of two gloo DP r
 (all-reduced SUM), when every micro-batch divides by the batch denominator.
 """
 
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_rl.algorithms import LossSettings, loss_denominator, policy_loss
+from tests.distributed import free_port
 
 B, L, V, H = 8, 6, 11, 8
 LENGTHS = [6, 1, 4, 5, 2, 6, 3, 5]
@@ -110,12 +110,6 @@ def test_mean_of_microbatch_means_would_differ():
     assert _rel(naive, whole) > 1e-3
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _dp_worker(rank, world, port, names):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -136,4 +130,4 @@ def _dp_worker(rank, world, port, names):
 
 
 def test_two_dp_ranks_allreduced_grad_equals_single_process():
-    mp.spawn(_dp_worker, args=(2, _free_port(), list(SETTINGS)), nprocs=2, join=True)
+    mp.spawn(_dp_worker, args=(2, free_port(), list(SETTINGS)), nprocs=2, join=True)

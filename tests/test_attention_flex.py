@@ -3,6 +3,7 @@ backward), no grad anywhere in this process; one combined case so it compiles on
 
 import math
 
+import pytest
 import torch
 
 from megatron_rl.attention import AttentionLayout, shared_prompt_attention
@@ -12,6 +13,7 @@ from tests.attention_cases import Case, k_copies_oracle, make_inputs
 COMBINED = Case("combined", (7, 6, 5, 9, 4), ((3, 9, 1, 5), (4,), (1, 1, 1), (5, 2, 7), ()), hq=4, hkv=2)
 
 
+@pytest.mark.slow
 def test_flex_forward_matches_k_copies() -> None:
     x = make_inputs(COMBINED)
     layout = AttentionLayout.from_lengths(COMBINED.prompt_lens, COMBINED.response_lens)

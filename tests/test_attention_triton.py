@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.kernels]
+
 pytest.importorskip("triton")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

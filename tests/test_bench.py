@@ -83,6 +83,8 @@ def assert_breakdown_sums(rec: dict, *, max_idle: float) -> None:
     assert rec["phases"]["idle"] <= max_idle * rec["step_s"], rec["phases"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_train_scope_returns_every_field(compared):
     for variant in _compare_record(compared):
         rec = variant["bench"]
@@ -92,6 +94,8 @@ def test_train_scope_returns_every_field(compared):
         assert rec["world"]["world_size"] == 1 and rec["devices"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_train_scope_trained_tokens_equal_the_samples(setup, compared):
     """Counts read back from the trained micro-batches == sums over the synthetic samples."""
     from megatron_rl.bench.train_scope import SyntheticGroups
@@ -123,6 +127,8 @@ def _linear_weights(model_dir: Path) -> tuple[int, dict]:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)), model.config
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_train_scope_flops_count_the_prompt_once_per_group(setup, compared):
     """FLOPs per step == 3 x (2 x linear params x packed tokens + 4 x layers x heads x head_dim x
     allowed pairs), from the HF model's modules and the synthetic groups' lengths (heads x
@@ -144,6 +150,8 @@ def test_train_scope_flops_count_the_prompt_once_per_group(setup, compared):
     assert split["flops_per_step"] > whole["flops_per_step"]  # split groups repeat their prompt
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_compare_prints_ratios_against_the_first(compared):
     variants = _compare_record(compared)
     assert [v["overrides"] for v in variants] == [[f"pipeline.micro_batch_tokens={b}"] for b in BUDGETS]
@@ -155,6 +163,8 @@ def test_compare_prints_ratios_against_the_first(compared):
     assert "ratio" in compared and "pipeline.micro_batch_tokens=40" in compared  # the table
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_rollout_scope_returns_every_field(setup):
     from megatron_rl.bench import run_bench
     from megatron_rl.config import load_config
@@ -177,6 +187,8 @@ def _e2e(config: str) -> dict:
     return dataclasses.asdict(result)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_e2e_scope_returns_every_field(setup):
     _, config = setup
     (rec,) = run_distributed(_e2e, 1, str(config), timeout_s=600)

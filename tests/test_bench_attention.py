@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.kernels]
+
 pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[1]

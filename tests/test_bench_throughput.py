@@ -12,6 +12,8 @@ import pytest
 
 from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
 REPO = Path(__file__).resolve().parents[1]
 
 

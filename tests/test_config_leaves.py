@@ -105,6 +105,8 @@ def test_the_tree_has_the_leaves_we_expect():
     assert not any(key.endswith((".sampling", ".sagc", ".clip")) for key in found)  # sections are not leaves
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_every_leaf_is_read_by_the_run(config):
     read = set()
     for name, overrides in RUNS.items():

@@ -88,6 +88,7 @@ def test_sagc_settles_on_largest_g_without_stragglers():
     assert sagc.final_g == 16 and sagc.late_mean_g == 16.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--no-stragglers"]])
 def test_cli_prints_one_json_line(extra):
     proc = subprocess.run(

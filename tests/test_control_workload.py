@@ -123,6 +123,7 @@ def test_compare_on_workload_calibration_modes_and_signal():
     assert f4.samples == 60 * 32 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["json", "table"])
 def test_cli_paper_workload(fmt):
     proc = subprocess.run(
@@ -143,6 +144,7 @@ def test_cli_paper_workload(fmt):
     assert report["vs_paper"]["min_g4_straggler_rate_if_independent"] == pytest.approx(0.7485, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_cli_compares_real_runs_over_the_same_samples(tmp_path):
     def write(name, rows):
         d = tmp_path / name

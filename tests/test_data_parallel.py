@@ -21,9 +21,11 @@ import sys
 
 import pytest
 
-from tests.distributed import _free_port, run_distributed
+from tests.distributed import free_port, run_distributed
 from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config, train_recorded
 from tests.test_rl_loop import assert_engine_sampled_from_trained_weights
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 TOL = 1e-5
 COMMON = ["trainer.save_every=1", "trainer.mini_batches=2"]
@@ -118,7 +120,7 @@ def test_two_node_dp2_sync_run_equals_the_one_node_run(setup):
     """Two torchrun invocations (--nnodes 2, one rank each, localhost) make one DP = 2 world
     (the sync-mode DP = 2 case) and end where the one-node run does."""
     tmp, config, (ref_dir, ref_hist, _) = setup
-    out, port = tmp / "two_nodes", _free_port()
+    out, port = tmp / "two_nodes", free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),

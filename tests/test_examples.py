@@ -13,18 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_distributed
-from tests.rl_fixtures import make_tiny_rl_model
+from tests.rl_fixtures import make_tiny_rl_model, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.parent.name for p in (REPO / "examples").glob("*/config.yaml"))
 STEPS = {"ppo_stale_smollm2": 8}
-
-
-def _train(config_path: str, overrides: list[str]):
-    from megatron_rl.config import load_config
-    from megatron_rl.trainer.loop import train
-
-    return train(load_config(config_path, overrides), platform="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +29,15 @@ def test_every_recipe_is_covered():
     assert {"demo", "grpo_smollm2", "dapo_smollm2", "ppo_stale_smollm2"} <= set(RECIPES)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_on_a_tiny_model(recipe, tiny_model, tmp_path):
     steps = STEPS.get(recipe, 2)
     overrides = [f"model.hf_path={tiny_model}", "data.chat_template=false", "data.size=32",
                  "rollout.sampling.max_new_tokens=16", f"trainer.steps={steps}", f"trainer.log_dir={tmp_path}",
                  "algorithm.overlong.buffer=4"]
-    (history,) = run_distributed(_train, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides,
+    (history,) = run_distributed(train_run, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides,
                                  timeout_s=900)
     assert [h["train/version"] for h in history] == [float(v) for v in range(1, steps + 1)]
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH, MSRUN = REPO / "examples" / "launch.sh", REPO / "examples" / "launch_msrun.sh"
 CONFIG = "examples/grpo_smollm2/config.yaml"
@@ -141,6 +143,8 @@ def test_msrun_worker_reentry_maps_msrun_variables_to_torch_distributed(tmp_path
     assert not (tmp_path / "ran").exists()  # msrun's scheduler process runs no trainer
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_two_nodes_on_localhost_train_through_the_launcher(tmp_path):
     from tests.rl_fixtures import make_tiny_rl_model
 
@@ -148,7 +152,7 @@ def test_two_nodes_on_localhost_train_through_the_launcher(tmp_path):
     overrides = [f"model.hf_path={model}", "data.chat_template=false", "data.size=32",
                  "rollout.sampling.max_new_tokens=16", "trainer.steps=2", f"trainer.log_dir={tmp_path / 'run'}"]
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    base.update(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NPROC_PER_NODE="1", PLATFORM="cpu")
+    base.update(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NPROC_PER_NODE="1", PLATFORM="cpu")
     nodes = [subprocess.Popen(["bash", str(LAUNCH), CONFIG, *overrides], env={**base, "NODE_RANK": str(rank)},
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in (1, 0)]
@@ -159,14 +163,6 @@ def test_two_nodes_on_localhost_train_through_the_launcher(tmp_path):
     # both agents had to join torchrun's static rendezvous (nnodes 2) for either to run: a world of 2
     # ranks, one per node, tp = pp = 1, so dp = 2 with groups routed between the replicas
     assert all("train/dp_imbalance" in h for h in history)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_launch_scripts_pass_bash_n_and_shellcheck():

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.distributed import LOOPBACK, listening_addresses, run_distributed
+
+pytestmark = [pytest.mark.multiproc]
 
 
 def _init_and_list():

@@ -19,6 +19,8 @@ from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 from tests.test_trimodel import GROUPS, _micro_batches, _separate
 
+pytestmark = [pytest.mark.multiproc]
+
 CHUNK = 3
 
 

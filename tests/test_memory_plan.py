@@ -35,6 +35,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
 PROMPT, RESPONSE, K = 256, 256, 4  # one group, uniform lengths: T = 1280 packed tokens, N = 1024
 CLEAR_REFS = Path("/proc/self/clear_refs")
 

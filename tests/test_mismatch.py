@@ -85,6 +85,8 @@ def test_engine_dtype_defaults_to_the_model_dtype(tmp_path):
     assert engine_dtype(bf16_engine) == "bfloat16" and bf16_engine.model.dtype == "float32"
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_bench_mismatch_runs_and_an_fp32_hf_engine_matches_after_the_sync(tmp_path):
     import json
     import subprocess
@@ -168,6 +170,7 @@ def _gate_on_rank(alarm):
         return merged, f"stopped: {e}"
 
 
+@pytest.mark.multiproc
 def test_gate_takes_one_decision_on_every_rank():
     from tests.distributed import run_distributed
 
@@ -201,7 +204,8 @@ def _nucleus_reference(hf_dir, prompt, response, temperature, top_p):
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_engines_report_the_sampled_from_distribution(tmp_path, backend):
     import importlib.util
     import os

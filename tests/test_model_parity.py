@@ -10,6 +10,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.hf_models import hf_logits, make_tiny_hf
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
 VARIANTS = {
     "llama": ("llama", False),
     "llama_tied": ("llama", True),

@@ -9,18 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_distributed
-from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import plot_metrics  # noqa: E402
 
-
-def _train(config: str) -> list[dict]:
-    from megatron_rl.config import load_config
-    from megatron_rl.trainer.loop import train
-
-    return train(load_config(config, []), platform="cpu")
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +24,7 @@ def run_dir(tmp_path_factory):
     model = make_tiny_rl_model(tmp / "model")
     log_dir = tmp / "run"
     config = tiny_rl_config(tmp, model, trainer={"steps": 2, "prompts_per_batch": 2, "log_dir": str(log_dir)})
-    (history,) = run_distributed(_train, 1, str(config), timeout_s=600)
+    (history,) = run_distributed(train_run, 1, str(config), timeout_s=600)
     assert len(history) == 2
     return log_dir
 

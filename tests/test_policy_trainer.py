@@ -18,6 +18,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 
+pytestmark = [pytest.mark.multiproc]
+
 GROUP_SHAPES = [(6, (3, 1, 4)), (5, (2, 2)), (8, (5, 1, 3, 2)), (4, (1, 6))]
 
 

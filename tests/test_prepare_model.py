@@ -30,6 +30,8 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 _spec = importlib.util.spec_from_file_location("prepare_model", ROOT / "tools" / "prepare_model.py")
 prepare = importlib.util.module_from_spec(_spec)
 sys.modules["prepare_model"] = prepare  # dataclasses look their module up there

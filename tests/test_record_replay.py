@@ -14,7 +14,7 @@ import pytest
 from megatron_rl.pipeline.recording import item_from_json, item_to_json, read_recording
 from tests.distributed import run_distributed
 from tests.pipeline_fakes import FakeEngine, FakeTrainer, make_pipeline, train_one_step
-from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config, train_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,13 +45,6 @@ def test_a_malformed_recording_names_file_and_line(tmp_path):
         item_from_json(json.loads(path.read_text()), where=f"{path}:1")
 
 
-def _train(config, overrides, replay=None):
-    from megatron_rl.config import load_config
-    from megatron_rl.trainer.loop import train
-
-    return train(load_config(config, overrides), platform="cpu", replay=replay)
-
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -62,13 +55,15 @@ def setup(tmp_path_factory):
     return tmp, str(config)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_replay_makes_the_update_of_the_live_run(setup):
     tmp, config = setup
     rec = tmp / "live.jsonl"
-    (live,) = run_distributed(_train, 1, config, [f"rollout.record={rec}", f"trainer.save_dir={tmp / 'live'}"],
+    (live,) = run_distributed(train_run, 1, config, [f"rollout.record={rec}", f"trainer.save_dir={tmp / 'live'}"],
                               timeout_s=600)
     assert rec.read_text().count('"kind": "group"') == 9
-    (replayed,) = run_distributed(_train, 1, config, [f"trainer.save_dir={tmp / 'replayed'}"], str(rec),
+    (replayed,) = run_distributed(train_run, 1, config, [f"trainer.save_dir={tmp / 'replayed'}"], str(rec),
                                   timeout_s=600)
     assert [h["rollout/reward_mean"] for h in replayed] == [h["rollout/reward_mean"] for h in live]
     a, b = load_weights(tmp / "live" / "step_3" / "model"), load_weights(tmp / "replayed" / "step_3" / "model")
@@ -78,6 +73,8 @@ def test_replay_makes_the_update_of_the_live_run(setup):
         assert ((b[key] - value).abs().max() / value.abs().max()).item() <= 1e-6, key
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_rollout_only_generates_scores_and_records_without_training(setup):
     tmp, config = setup
     rec = tmp / "rollout_only.jsonl"
@@ -93,18 +90,20 @@ def test_rollout_only_generates_scores_and_records_without_training(setup):
     assert [r["train/version"] for r in rows] == [1.0, 2.0] and all("loss/value" not in r for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_k_copies_layout_makes_the_same_update(setup):
     """attention.shared_prompt=false (every response after its own prompt copy, plain causal
     attention per sample: the independent layout) trains the same weights as shared-prompt packing."""
     tmp, config = setup
     rec = tmp / "live.jsonl"
     if not rec.exists():
-        run_distributed(_train, 1, config, [f"rollout.record={rec}"], timeout_s=600)
+        run_distributed(train_run, 1, config, [f"rollout.record={rec}"], timeout_s=600)
     runs = {}
     for shared in ("true", "false"):
         out = tmp / f"shared_{shared}"
         overrides = [f"trainer.save_dir={out}", f"attention.shared_prompt={shared}"]
-        run_distributed(_train, 1, config, overrides, str(rec), timeout_s=600)
+        run_distributed(train_run, 1, config, overrides, str(rec), timeout_s=600)
         runs[shared] = load_weights(out / "step_3" / "model")
     a, b = runs["true"], runs["false"]
     initial = load_weights(tmp / "model")

@@ -80,6 +80,7 @@ def test_math_verify_reward_from_a_thread():
     assert out["rewards"] == [expected for _, _, expected in MATH_CASES]
 
 
+@pytest.mark.slow
 def test_costly_answer_from_a_thread_returns_quickly():
     # 9^{9^9} makes sympy compute a 370-million-digit integer in C, holding the GIL for
     # minutes; run in a subprocess so a regression fails by timeout instead of hanging pytest.

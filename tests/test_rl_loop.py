@@ -21,6 +21,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.rl_fixtures import load_weights, make_tiny_rl_model, teacher_forced_logprobs, tiny_rl_config, train_recorded
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

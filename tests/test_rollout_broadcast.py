@@ -15,6 +15,8 @@ from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import greedy_gap, load_snapshot_tensors, make_sender, request, run_all, trainer_update
 
+pytestmark = [pytest.mark.multiproc]
+
 PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 
 

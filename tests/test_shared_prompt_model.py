@@ -14,6 +14,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 
+pytestmark = [pytest.mark.multiproc]
+
 # (prompt length, response lengths) per group: ragged, K = 1, length-1 responses.
 GROUPS = [(7, (3, 1, 5)), (4, (1,)), (9, (6, 2, 2, 4))]
 

@@ -27,6 +27,8 @@ def run(tmp_path_factory):
     return history, results
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_token_counts_equal_the_engine_results(run):
     history, results = run
     assert len(history) == 3 and len(results) == 3 * 3 * 4
@@ -41,6 +43,8 @@ def test_token_counts_equal_the_engine_results(run):
         assert metrics["rollout/response_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_phases_make_up_the_step_and_give_the_throughput(run):
     history, _ = run
     for m in history:

@@ -40,6 +40,9 @@ def cpu_report(tmp_path_factory):
     return report
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.vllm
 def test_every_section_is_there_and_passes(cpu_report):
     assert cpu_report["device"] == "cpu" and cpu_report["status"] == "pass"
     assert list(cpu_report["summary"]) == list(CHECKS) == list(cpu_report["checks"])
@@ -49,6 +52,9 @@ def test_every_section_is_there_and_passes(cpu_report):
     assert set(cpu_report["thresholds"]) >= {"attention_rel_tolerance", "resume_rel_tolerance"}
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.vllm
 def test_environment_reports_versions_and_device(cpu_report):
     env = cpu_report["checks"]["environment"]
     assert set(env["versions"]) >= {"torch", "torch_npu", "vllm", "vllm_ascend", "apex", "transformer_engine",
@@ -58,6 +64,9 @@ def test_environment_reports_versions_and_device(cpu_report):
     assert env["device"]["type"] == "cpu" and env["device"]["count"] == 1 and env["device"]["cpu_count"] >= 1
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.vllm
 def test_attention_kernels_match_the_reference(cpu_report):
     fp32 = cpu_report["checks"]["attention"]["dtypes"]["float32"]
     ran = {name: k for name, k in fp32["kernels"].items() if k["status"] != "skip"}
@@ -71,6 +80,9 @@ def test_attention_kernels_match_the_reference(cpu_report):
     assert fp32["baselines"]["sdpa_per_sample"]["status"] == "pass"
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.vllm
 def test_rl_run_trains_and_resume_reproduces_it(cpu_report):
     rl, resume = cpu_report["checks"]["rl_hf"], cpu_report["checks"]["resume"]
     assert len(rl["steps"]) == 3 and rl["max_weight_change"] > 1e-4
@@ -79,6 +91,7 @@ def test_rl_run_trains_and_resume_reproduces_it(cpu_report):
     assert resume["rel_diff"] <= resume["tolerance"]
 
 
+@pytest.mark.slow
 def test_a_failing_check_does_not_hide_the_next(tmp_path):
     """No CUDA here: environment fails on its threshold, attention on setup_platform's error."""
     code, report, _ = run_tool("--device", "cuda", "--skip", "rl_hf,resume,rl_vllm", "--workdir", str(tmp_path))
@@ -89,6 +102,7 @@ def test_a_failing_check_does_not_hide_the_next(tmp_path):
     assert error["type"] == "RuntimeError" and "CUDA" in error["message"] and "device.py" in error["last_frame"]
 
 
+@pytest.mark.slow
 def test_emulated_device_is_checked_or_reported_not_available(tmp_path):
     code, report, _ = run_tool("--device", "emulated", "--quick", "--skip", "rl_hf,resume,rl_vllm",
                                "--workdir", str(tmp_path))

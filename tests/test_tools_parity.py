@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.hf_models import make_tiny_hf
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 ROOT = Path(__file__).resolve().parents[1]
 

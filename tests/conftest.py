@@ -1,0 +1,38 @@
+"""Test tiers (markers registered in pytest.ini; ``make test`` runs every tier, ``make test-fast``
+the edit-test loop without ``slow``, ``multiproc`` and ``vllm``).
+
+Files mark what they are (``pytestmark`` or ``@pytest.mark.slow``). As a safety net for tests
+that forget, a test is also marked ``multiproc`` when it, or a fixture it uses, calls one of
+the helpers below that start processes: a gloo world (``run_distributed``, ``mp.spawn``) or a
+rollout engine pool (``build_engine``, ``WorkerPool``), or calls a module-level helper that
+does (one level down). Only names in the code are seen (``__code__.co_names``), so deeper
+indirections must be marked by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+PROCESS_STARTERS = frozenset({"run_distributed", "build_engine", "WorkerPool", "spawn"})
+
+
+def _names(func: object) -> set[str]:
+    return set(getattr(getattr(func, "__code__", None), "co_names", ()))
+
+
+def _calls_a_process_starter(item: pytest.Item) -> bool:
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        funcs += [d.func for d in defs]
+    # one level down: module-level helpers the test or its fixtures call (e.g. a `_pool` or `_run`)
+    module = vars(getattr(item, "module", None) or object)
+    funcs += [module[n] for f in list(funcs) for n in _names(f) if callable(module.get(n))]
+    return any(PROCESS_STARTERS & _names(f) for f in funcs)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Add ``multiproc`` to every test that starts processes through the helpers above."""
+    for item in items:
+        if "multiproc" not in item.keywords and _calls_a_process_starter(item):
+            item.add_marker(pytest.mark.multiproc)
