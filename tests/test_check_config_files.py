@@ -52,7 +52,7 @@ def test_a_complete_config_passes(tmp_path, capsys):
     assert _check(capsys, path) == (0, "")
 
 
-@pytest.mark.parametrize(("rows", "words"), [(None, ["is not a file", "cwd"]), (0, ["has no rows"])])
+@pytest.mark.parametrize(("rows", "words"), [(None, ["no such file", "cwd"]), (0, ["has no rows"])])
 def test_missing_or_empty_data_file(tmp_path, capsys, rows, words):
     source = str(_prompts(tmp_path, rows)) if rows is not None else "/nonexistent/prompts.jsonl"
     if rows == 0:

@@ -91,11 +91,11 @@ def test_jsonl_errors_name_file_line_and_key(tmp_path, line, pattern):
 
 
 def test_file_source_errors(tmp_path):
-    with pytest.raises(ValueError, match="reasoning_gym:<name>"):
+    with pytest.raises(ValueError, match="data.source: .* 'reasoning_gym:<dataset>'"):  # the config's rule
         load_records(str(tmp_path / "data.csv"))
     with pytest.raises(ValueError, match="no such file"):
         load_records(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ValueError, match="size must be positive"):
+    with pytest.raises(ValueError, match="data.size: must be > 0, got 0"):
         load_records(str(tmp_path / "missing.jsonl"), size=0)
 
 

@@ -21,7 +21,7 @@ def test_options_shape_the_generated_problems():
 def test_options_are_for_reasoning_gym_only(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"question": "1+1", "answer": "2"}\n')
-    with pytest.raises(ValueError, match="data.options .* reasoning_gym sources only"):
+    with pytest.raises(ValueError, match="data.options: are keyword arguments of a reasoning_gym dataset"):
         read_records(str(path), options={"min_terms": 2})
 
 

@@ -22,6 +22,7 @@ from megatron_rl.attention.npu import npu_attention, torch_npu_available
 from megatron_rl.attention.reference import reference_attention
 from megatron_rl.attention.split import split_attention
 from megatron_rl.attention.triton_backend import triton_attention
+from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import AttentionBackend
 
 BACKENDS: tuple[str, ...] = get_args(AttentionBackend)  # the schema's attention.backend names
@@ -44,8 +45,7 @@ def resolve_backend(name: str, device_type: str, requires_grad: bool) -> str:
     """The concrete backend for ``name`` on ``device_type`` ('cpu' | 'cuda' | 'npu').
 
     Raises ``ValueError`` for an unknown name or a backend this platform cannot run."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention.backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    require_values({"attention.backend": name})  # the config's rule: one of the schema's names
     if name == "auto":
         if device_type == "npu":
             return "npu"

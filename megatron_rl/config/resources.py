@@ -58,7 +58,7 @@ def check_data_file(source: str) -> Found:
         return
     path = Path(source)
     if not path.is_file():
-        yield "data.source", f"{source!r} is not a file (cwd {Path.cwd()}); give the path of a prompt file"
+        yield "data.source", f"{source!r}: no such file (cwd {Path.cwd()}); give the path of a prompt file"
         return
     rows, why = _count_rows(path)
     if why:

@@ -194,11 +194,14 @@ def _sagc(s: Any) -> Found:
 
 
 def _data(d: Any) -> Found:
+    yield from data_source_rule(d.source, d.options)
+
+
+def data_source_rule(src: str, options: Mapping[str, Any]) -> Found:
     """Forms of data.source and data.options (the file itself: `resources.py`)."""
-    src = d.source
     if not (re.fullmatch(r"reasoning_gym:\w+", src) or src.endswith((".jsonl", ".parquet"))):
         yield "data.source", f"{src!r} is neither 'reasoning_gym:<dataset>' nor a .jsonl / .parquet path"
-    if d.options and not src.startswith("reasoning_gym:"):
+    if options and not src.startswith("reasoning_gym:"):
         yield "data.options", f"are keyword arguments of a reasoning_gym dataset; {src!r} takes none"
 
 

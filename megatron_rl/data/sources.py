@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.config.fields import raise_found, require_values
+from megatron_rl.config.resources import check_data_file
+from megatron_rl.config.sections import data_source_rule
 from megatron_rl.data.records import ChatMessage, PromptRecord
 
 logger = logging.getLogger(__name__)
@@ -59,19 +62,15 @@ def read_records(
     size: int | None = None, seed: int = 0, skip_bad_rows: bool = False, options: Mapping[str, Any] | None = None,
 ) -> SourceRecords:
     """`load_records`, optionally skipping (and reporting) malformed rows instead of raising."""
-    if size is not None and size <= 0:
-        raise ValueError(f"size must be positive, got {size}")
+    if size is not None:
+        require_values({"data.size": size})  # the config's rules on data.size, data.source, data.options
     if source.startswith(REASONING_GYM_PREFIX):
         name = source.removeprefix(REASONING_GYM_PREFIX)
         return SourceRecords(records=reasoning_gym_records(name, size=size, seed=seed, options=options), bad_rows=[])
-    if options:
-        raise ValueError(f"data.options {dict(options)!r} are for reasoning_gym sources only, not {source!r}")
+    raise_found(data_source_rule(source, options or {}))
     path = Path(source)
-    if path.suffix not in (".jsonl", ".parquet"):
-        raise ValueError(f"data source must be 'reasoning_gym:<name>', a .jsonl or a .parquet file, "
-                         f"got {source!r}")
     if not path.is_file():
-        raise ValueError(f"data source {source!r}: no such file")
+        raise_found(check_data_file(source))  # check-config's own "no such file"
     out = _file_records(path, prompt_key, answer_key, size, skip_bad_rows)
     if not out.records:
         what = f"all {len(out.bad_rows)} rows are malformed (first: {out.bad_rows[0]})" if out.bad_rows else "no rows"

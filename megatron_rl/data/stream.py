@@ -16,6 +16,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from megatron_rl.config.fields import require_values
+
 T = TypeVar("T")
 
 
@@ -23,8 +25,7 @@ class PromptStream(Generic[T]):
     """Endless epoch-shuffled batches over `items` (PromptRecords or TokenizedPrompts)."""
 
     def __init__(self, items: Sequence[T], *, prompts_per_batch: int, seed: int) -> None:
-        if prompts_per_batch <= 0:
-            raise ValueError(f"prompts_per_batch must be positive, got {prompts_per_batch}")
+        require_values({"trainer.prompts_per_batch": prompts_per_batch})  # the config's rule
         if prompts_per_batch > len(items):
             raise ValueError(f"prompts_per_batch ({prompts_per_batch}) exceeds the number of prompts "
                              f"({len(items)}): a batch would repeat a prompt")
