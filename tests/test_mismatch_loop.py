@@ -13,6 +13,8 @@ import pytest
 from tests.distributed import run_distributed
 from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
 ALARM = ["algorithm.mismatch_alarm.logprob_abs_diff_mean=1e-4", "algorithm.mismatch_alarm.action=stop"]
 
 
