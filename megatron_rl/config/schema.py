@@ -23,7 +23,10 @@ PipelineMode = Literal["sync", "periodic", "stale"]
 AdvantageScale = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ProximalMode = Literal["recompute", "loglinear"]
-CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+# token_*: r_t = exp(δ_t); sequence_*: r = exp(Σ_t δ_t) (TRL); geometric_*: r = exp(mean_t δ_t) (verl's
+# geometric level: does not collapse with length as the sequence product does).
+CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                         "geometric_truncate", "geometric_mask"]
 AlarmAction = Literal["warn", "stop"]
 EngineName = Literal["vllm", "hf"]
 WeightSync = Literal["snapshot", "broadcast", "shared_memory"]

@@ -45,11 +45,13 @@ def world_merged(local: _M | None, *, counts: bool) -> _M | None:
 
 def to_host(metrics: _M) -> _M:
     """A copy of a metrics dataclass whose tensor fields (nested dataclasses included) are host
-    0-dim tensors, moved in one device -> host copy."""
+    tensors: the 0-dim ones moved in one device -> host copy, each longer one in one more."""
     tensors = _tensors(metrics)
     if not tensors:
         return metrics
-    values = iter(torch.stack([t.detach().to(torch.float64) for t in tensors]).cpu().unbind())
+    scalars = [t for t in tensors if t.dim() == 0]
+    moved = iter(torch.stack([t.detach().to(torch.float64) for t in scalars]).cpu().unbind() if scalars else ())
+    values = iter([next(moved) if t.dim() == 0 else t.detach().cpu() for t in tensors])
     return _rebuild(metrics, values)
 
 
