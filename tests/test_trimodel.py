@@ -18,6 +18,7 @@ from megatron_rl.trimodel.offload import HostOffload
 from megatron_rl.trimodel.plan import Residency, plan_trimodel
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
+from tests.rl_fixtures import TRAIN_PLATFORM
 
 GROUPS = [(7, (3, 1, 5)), (4, (1,)), (9, (6, 2, 2, 4))]  # (prompt len, response lens)
 TOKEN_BUDGET = 23  # two micro-batches: groups 0+1, then group 2
@@ -51,6 +52,9 @@ def _separate(model, mbs, weights, vocab, *, forward_only):
         lp = vocab_parallel_logprobs(logits[0, mb.logit_index], mb.target_ids, vocab_size=vocab)
         return (lp * weights[i]).sum(), lp.detach()
 
+    device = next(model.parameters()).device
+    mbs, weights = [mb.to(device) for mb in mbs], [w.to(device) for w in weights]
+
     out = run_schedule(model, list(enumerate(mbs)), forward_step=forward_step, loss=loss,
                        seq_length=lambda item: item[1].num_tokens, forward_only=forward_only)
     return torch.cat(out) if out else torch.empty(0)
@@ -61,11 +65,12 @@ def _worker(tp, pp, paths, offload):
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.trimodel import TriModel
 
-    initialize_parallel(tp=tp, pp=pp)
+    plat, _ = initialize_parallel(tp=tp, pp=pp, platform=TRAIN_PLATFORM)  # offload: host <-> a device
     load = lambda p: load_model_from_hf(p, attention_backend="split")  # noqa: E731
     (policy, spec), (old, _), (ref, _) = (load(p) for p in paths)
     vocab = spec.vocab_size
     mbs, weights = _micro_batches(vocab)
+    weights = [w.to(plat.device) for w in weights]
     plan = plan_trimodel(LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2,
                          offload_old=offload, offload_ref=offload)
     tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, vocab_size=vocab)
@@ -92,8 +97,19 @@ def _worker(tp, pp, paths, offload):
     assert tri.refresh_old()
     refreshed = tri.run(mbs, loss=lambda lp, i: (lp.policy.sum(), lp.old), forward_only=True)
     refreshed = torch.cat(refreshed) if refreshed else torch.empty(0)
-    return dict(fused=fused, separate=separate, grads=grads, frozen_grads=frozen_grads, memory=memory,
-                skipped=skipped, refreshed=refreshed, old_bytes=sum(p.numel() * 4 for p in old.parameters()))
+    return _on_host(dict(fused=fused, separate=separate, grads=grads, frozen_grads=frozen_grads, memory=memory,
+                         skipped=skipped, refreshed=refreshed, old_bytes=sum(p.numel() * 4 for p in old.parameters())))
+
+
+def _on_host(value):
+    """``value`` with every tensor copied to the host (the test process has no device)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_host(v) for v in value)
+    return value
 
 
 def _check(results, offload):

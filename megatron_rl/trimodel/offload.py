@@ -7,6 +7,10 @@ tensor stays authoritative and release copies nothing back; writes between micro
 (``TriModel.refresh_old``) land in host memory. Parameter objects keep their identity, so
 module references stay valid. On a CPU-only run host and device coincide and both calls
 move nothing (the bookkeeping still runs).
+
+Between the host and a PrivateUse1 device (an Ascend NPU, the emulated accelerator) torch
+refuses ``param.data = tensor`` ("incompatible tensor type"); there the parameter's contents
+are swapped instead (``torch.utils.swap_tensors``), keeping the object and its attributes.
 """
 
 from __future__ import annotations
@@ -19,16 +23,26 @@ def _on_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return host.pin_memory() if pin else host
 
 
+def _point(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    """``param.data = tensor``, also across host and a PrivateUse1 device (module doc)."""
+    if torch._has_compatible_shallow_copy_type(param, tensor):
+        param.data = tensor
+        return
+    attributes = dict(param.__dict__)  # megatron's tensor_model_parallel, shared, ...
+    torch.utils.swap_tensors(param, torch.nn.Parameter(tensor, requires_grad=param.requires_grad))
+    param.__dict__.update(attributes)
+
+
 class HostOffload:
     """Keep ``module``'s parameters in host memory; move them to ``device`` per micro-step."""
 
     def __init__(self, module: torch.nn.Module, *, device: torch.device) -> None:
         self.device = torch.device(device)
         self._params = list(module.parameters())
-        pin = self.device.type != "cpu" and torch.cuda.is_available()
+        pin = self.device.type != "cpu"  # page-locked host memory for the per-micro-step copies
         self._host = [_on_host(p, pin) for p in self._params]
         for p, h in zip(self._params, self._host, strict=True):
-            p.data = h
+            _point(p, h)
         self.on_device = False
         self.bytes_onloaded = 0  # cumulative host -> device traffic, for metrics
 
@@ -41,12 +55,12 @@ class HostOffload:
         assert not self.on_device, "onload twice without release"
         if self.device.type != "cpu":
             for p, h in zip(self._params, self._host, strict=True):
-                p.data = h.to(self.device, non_blocking=True)
+                _point(p, h.to(self.device, non_blocking=True))
             self.bytes_onloaded += self.nbytes
         self.on_device = True
 
     def release(self) -> None:
         """Point every parameter back at its host tensor; the device copies are freed."""
         for p, h in zip(self._params, self._host, strict=True):
-            p.data = h
+            _point(p, h)
         self.on_device = False
