@@ -81,14 +81,20 @@ def recording_factory(settings):
     return RecordingEngine(build_engine(settings))
 
 
+# Training tests run on the emulated accelerator: device tensors on ``emulated:<rank>``, host
+# tensors refused in device ops and in the ``eccl`` collectives, as on CUDA / NPU
+# (``megatron_rl.platform.emulated``); ``MEGATRON_RL_PLATFORM=cpu`` overrides it for debugging.
+TRAIN_PLATFORM = "emulated"
+
+
 def train_run(config_path: str, overrides: list[str] = (), replay: str | None = None) -> list[dict]:
-    """A rank's body (``run_distributed(train_run, world, config, overrides)``): train on the CPU
-    platform from ``config_path`` + ``overrides`` (``replay``: a recording to train on); the
-    metric history."""
+    """A rank's body (``run_distributed(train_run, world, config, overrides)``): train on
+    ``TRAIN_PLATFORM`` from ``config_path`` + ``overrides`` (``replay``: a recording to train on);
+    the metric history."""
     from megatron_rl.config import load_config
     from megatron_rl.trainer.loop import train
 
-    return train(load_config(config_path, list(overrides)), platform="cpu", replay=replay)
+    return train(load_config(config_path, list(overrides)), platform=TRAIN_PLATFORM, replay=replay)
 
 
 def train_recorded(config_path: str, overrides: list[str]):
@@ -96,7 +102,7 @@ def train_recorded(config_path: str, overrides: list[str]):
     from megatron_rl.config import load_config
     from megatron_rl.trainer.loop import train
 
-    history = train(load_config(config_path, overrides), platform="cpu", engine_factory=recording_factory)
+    history = train(load_config(config_path, overrides), platform=TRAIN_PLATFORM, engine_factory=recording_factory)
     return history, list(RECORDED)
 
 
