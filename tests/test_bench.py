@@ -22,12 +22,12 @@ import torch
 from megatron_rl.bench import PHASES, BenchOptions, GroupShape, LengthDist
 from megatron_rl.bench.result import BenchResult
 from tests.distributed import run_distributed
-from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, G, MAX_NEW = 2, 4, 8
 TRAIN_FLAGS = ["--scope", "train", "--steps", "2", "--warmup", "1", "--prompt-len", "uniform:8,24",
-               "--response-len", "heavy:5,1.0", "--seed", "7", "--platform", "cpu"]
+               "--response-len", "heavy:5,1.0", "--seed", "7", "--platform", TRAIN_PLATFORM]
 BUDGETS = (256, 40)  # 256: every group whole; 40 < 24 + 4 x 8: some groups split, the prompt repeated
 
 
@@ -68,7 +68,7 @@ def assert_every_field(rec: dict, scope: str) -> None:
     assert list(rec["phases"]) == list(PHASES) and all(v >= 0 for v in rec["phases"].values())
     assert all(rec["tokens"][k] > 0 for k in ("prompt", "response", "packed", "samples", "groups"))
     assert rec["versions"]["torch"] == torch.__version__ and "megatron-core" in rec["versions"]
-    assert rec["world"]["platform"] == "cpu" and rec["devices"] >= 1
+    assert rec["world"]["platform"] == ("cpu" if scope == "rollout" else TRAIN_PLATFORM) and rec["devices"] >= 1
     assert rec["config"]["control"]["group_size"] == G
     if scope == "rollout":
         assert rec["mfu"] is None  # nothing trained
@@ -183,7 +183,7 @@ def _e2e(config: str) -> dict:
     from megatron_rl.bench import run_bench
     from megatron_rl.config import load_config
 
-    result = run_bench(load_config(config, []), BenchOptions(scope="e2e", steps=1, warmup=1, platform="cpu"))
+    result = run_bench(load_config(config, []), BenchOptions(scope="e2e", steps=1, warmup=1, platform=TRAIN_PLATFORM))
     return dataclasses.asdict(result)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_rl.config import schema
 from tests.distributed import run_distributed
-from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
 
 
 def leaves(cls=schema.Config, prefix="") -> set[str]:
@@ -81,7 +81,7 @@ def _train_tracked(config_path: str, overrides: list[str]) -> set[str]:
     progress.format_config = format_untracked
     cfg = tracked(load_config(config_path, overrides))  # validated before the recording starts
     READS.clear()
-    train(cfg, platform="cpu")
+    train(cfg, platform=TRAIN_PLATFORM)
     return set(READS)
 
 

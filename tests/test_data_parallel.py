@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from tests.distributed import free_port, run_distributed
-from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config, train_recorded
+from tests.rl_fixtures import TRAIN_PLATFORM, load_weights, make_tiny_rl_model, tiny_rl_config, train_recorded
 from tests.test_rl_loop import assert_engine_sampled_from_trained_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -125,7 +125,7 @@ def test_two_node_dp2_sync_run_equals_the_one_node_run(setup):
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
          "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-         "-m", "megatron_rl", "train", config, "--platform", "cpu", *COMMON, "pipeline.mode=sync",
+         "-m", "megatron_rl", "train", config, "--platform", TRAIN_PLATFORM, *COMMON, "pipeline.mode=sync",
          f"trainer.save_dir={out}", f"trainer.log_dir={tmp / 'two_nodes_logs'}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in procs]

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tests.distributed import LOOPBACK, listening_addresses, run_distributed
+from tests.rl_fixtures import TRAIN_PLATFORM
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.multiproc]
 def _init_and_list():
     from megatron_rl.parallel.state import initialize_parallel
 
-    initialize_parallel(tp=1, pp=1, platform="cpu")
+    initialize_parallel(tp=1, pp=1, platform=TRAIN_PLATFORM)
     return sorted(listening_addresses(os.getpid()))
 
 

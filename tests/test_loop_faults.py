@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl.rollout.wrapper import EngineWrapper
 from tests.distributed import run_distributed
-from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import TRAIN_PLATFORM, load_weights, make_tiny_rl_model, tiny_rl_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -34,8 +34,8 @@ def setup(tmp_path_factory):
 
 def _cli(config, *overrides):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl", "train", config, *overrides, "--platform", "cpu"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, "-m", "megatron_rl", "train", config, *overrides, "--platform", TRAIN_PLATFORM]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 
@@ -87,7 +87,7 @@ def _signal_follower(config_path: str, overrides: list[str], metrics: str):
 
     if int(os.environ["RANK"]) == 1:
         threading.Thread(target=signal_after_two_steps, daemon=True).start()
-    history = train(load_config(config_path, overrides), platform="cpu")
+    history = train(load_config(config_path, overrides), platform=TRAIN_PLATFORM)
     assert dist.is_initialized()
     return len(history)
 
@@ -147,7 +147,7 @@ def _train_with_nans(config_path: str, overrides: list[str], nan_steps: list[int
     _nan_loss_where_the_engine_gave_nan()
     cfg = load_config(config_path, overrides)
     try:
-        return train(cfg, platform="cpu", engine_factory=lambda s: _NaNEngine(build_engine(s), nan_steps))
+        return train(cfg, platform=TRAIN_PLATFORM, engine_factory=lambda s: _NaNEngine(build_engine(s), nan_steps))
     except RuntimeError as err:
         return f"{type(err).__name__}: {err}"
 
@@ -201,7 +201,7 @@ def _train_until_the_engine_breaks(config_path: str, overrides: list[str]):
     from megatron_rl.trainer.loop import train
 
     try:
-        train(load_config(config_path, overrides), platform="cpu",
+        train(load_config(config_path, overrides), platform=TRAIN_PLATFORM,
               engine_factory=lambda s: _BrokenEngine(build_engine(s), broken_step=2))
     except PipelineError as err:
         return f"{type(err.__cause__).__name__}: {err.__cause__}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
-from tests.rl_fixtures import make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -59,7 +59,7 @@ def _train(config_path: str, overrides: list[str], behind: bool):
     try:
         if behind:  # the wrapper replays snapshots one version late
             overrides = [*overrides, "rollout.weight_sync=snapshot"]
-        history = train(load_config(config_path, overrides), platform="cpu",
+        history = train(load_config(config_path, overrides), platform=TRAIN_PLATFORM,
                         engine_factory=_behind_factory if behind else None)
     except MismatchAlarmError as e:
         return "stopped", str(e)
