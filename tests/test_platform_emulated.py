@@ -71,7 +71,8 @@ def test_what_cuda_allows_is_allowed():
 def _linear_adamw_step(device: str) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # one implementation on both (torch picks foreach for accelerators, single-tensor on the CPU)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     x = torch.randn(5, 8).to(device)
     for _ in range(2):
         loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3, 0], device=device))
