@@ -36,3 +36,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "multiproc" not in item.keywords and _calls_a_process_starter(item):
             item.add_marker(pytest.mark.multiproc)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Load the emulated accelerator before any test runs a backward, as a training process does
+    at set-up: PyTorch's autograd engine sizes its per-device queues once, at the first backward
+    of a process, from the devices registered then (a later emulated backward would hit its
+    internal assert ``device_ready_queues_``)."""
+    from megatron_rl.platform import emulated
+
+    emulated.load()
