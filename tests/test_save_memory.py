@@ -18,21 +18,16 @@ concatenation, gloo's reduce a scratch copy; the rest is interpreter noise.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.test_memory_plan import CLEAR_REFS, _status_bytes  # the RSS method of the plan check
 from tests.test_policy_trainer import make_groups
 
-CLEAR_REFS = Path("/proc/self/clear_refs")
 SLACK = 4 << 20
-
-
-def _status_bytes(key: str) -> int:
-    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def _peak_rise(call) -> int:
