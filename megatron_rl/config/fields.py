@@ -31,15 +31,18 @@ POSITIVE = (
     "trainer.max_nonfinite_steps", "algorithm.advantage.eps", "algorithm.temperature",
     "control.sagc.eta", "control.sagc.lambda_max", "control.sagc.prior_alpha", "control.sagc.prior_beta",
     "rollout.request_timeout_s", "rollout.start_timeout_s", "reward.timeout_s", "rollout.sync_bucket_mb",
+    "rollout.engine_port",
     "trainer.logprob_chunk_tokens", "algorithm.rollout_correction.c_min", "algorithm.rollout_correction.c_max",
+    "environment.max_turns", "environment.max_total_tokens", "environment.step_timeout_s",
 )
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
     "algorithm.overlong.buffer", "algorithm.overlong.penalty", "algorithm.kl.coef",
-    "algorithm.entropy_coef", "rollout.max_restarts", "control.sagc.seed",
+    "algorithm.entropy_coef", "rollout.max_restarts", "reward.workers", "control.sagc.seed",
     "algorithm.rollout_correction.delta", "algorithm.mismatch_alarm.logprob_abs_diff_mean",
     "algorithm.mismatch_alarm.logprob_abs_diff_max", "algorithm.mismatch_alarm.kl_k3",
     "algorithm.mismatch_alarm.seq_ratio_max", "algorithm.mismatch_alarm.masked_fraction",
+    "environment.max_failures",
 )
 # fmt: on
 BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -1,5 +1,6 @@
 """What a config points at, checked without starting a run: the prompt file, the model
-directory's config and tokenizer, the dotted paths of ``reward.fn`` and ``control.kind``.
+directory's config and tokenizer, the dotted paths of ``reward.fn`` and ``control.kind``, and the environment
+(``environment.kind`` with its ``environment.options``).
 
 Contract: `check_resources(cfg)` yields ``(key, message)`` naming the key, the value and the fix
 for a data file that is missing or has no rows, a model directory without ``config.json`` or
@@ -36,6 +37,20 @@ def check_resources(cfg: Config) -> Found:
             _, why = find_dotted(spec)
             if why:
                 yield key, f"{spec!r}: {why}"
+    yield from check_environment(cfg.environment.kind, cfg.environment.options)
+
+
+def check_environment(kind: str, options: dict[str, Any]) -> Found:
+    """environment.kind imports and, with environment.options, makes an Environment."""
+    if kind == "none":
+        return
+    from megatron_rl.environments.loader import load_environment  # imports this module
+
+    try:
+        load_environment(kind, **options)
+    except ValueError as err:  # its message starts with the key it is about
+        key, _, message = str(err).partition(": ")
+        yield key, message
 
 
 def find_dotted(spec: str) -> tuple[Any, str]:

@@ -31,7 +31,10 @@ AlarmAction = Literal["warn", "stop"]
 EngineName = Literal["vllm", "hf"]
 WeightSync = Literal["snapshot", "broadcast", "shared_memory"]
 DeviceKind = Literal["cpu", "cuda", "npu"]  # the kinds a rollout.devices string may start with
+RoutingReplay = Literal["none", "rollout"]  # MoE: the trainer's routers choose, or replay the engine's routes
 BuiltinController = Literal["fixed", "sagc"]  # control.kind names; any other kind is a dotted path
+# environment.kind names ("none": single-turn rollouts); any other kind is a dotted path
+BuiltinEnvironment = Literal["none", "echo", "calculator", "python"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +146,9 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)  # KL-to-reference penalty
     entropy_coef: float = 0.0  # entropy bonus weight
     temperature: float = 1.0  # log-prob temperature; must equal rollout.sampling.temperature
+    # MoE routing replay (R3): "rollout" forces the engine's expert choice on the policy and old copies
+    # (the reference routes itself: trimodel/routing.py); "none" lets every router choose.
+    routing_replay: RoutingReplay = "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +171,11 @@ class RolloutConfig:
     # One device string per engine: "cpu", "cpu:1" / "cpu:0-3" (pinned cores), "cuda:4" or, for an
     # engine with tensor_parallel_size 2, "cuda:4,5"; "npu:0,1" likewise. [] = unpinned CPU engines.
     devices: list[str] = field(default_factory=list)
+    # The launch node (node rank) of each engine, one entry per engine; [] = every engine on node 0.
+    # Node 0's engines are rank 0's own workers; node N > 0's run in that node's engine host
+    # (`python -m megatron_rl serve`, started by the launchers), reached over the network.
+    engine_nodes: list[int] = field(default_factory=list)
+    engine_port: int = 29501  # rank 0's engine hub listens here (on sync_address) for remote engine hosts
     tensor_parallel_size: int = 1  # TP size inside each engine
     # Engine weights and compute dtype; None = model.dtype. A bf16 engine with an fp32 trainer
     # is supported: the gap shows in the mismatch/... metrics (algorithm.rollout_correction).
@@ -252,6 +263,26 @@ class RewardConfig:
     fn: str = "math_verify"  # builtin name or dotted path "pkg.mod:function"
     # A call running longer scores 0 (counted); so do calls that raise or return a non-number.
     timeout_s: float = 30.0
+    # Processes scoring rewards in parallel, off the producer thread (a hung call's process is
+    # killed and replaced); 0 = in the producer thread, one call at a time.
+    workers: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvironmentConfig:
+    """Multi-turn rollouts: the environment (tools, sandbox, task) each trajectory talks to."""
+
+    # "none" (one response per prompt), a builtin (echo, calculator, python) or a dotted path
+    # "pkg.mod:Factory" to a class / function returning a megatron_rl.environments.Environment
+    kind: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment factory
+    max_turns: int = 4  # model turns per trajectory; a trajectory still going after the last is truncated (flagged)
+    # prompt + model + observation tokens per trajectory; one that would exceed it is truncated (flagged)
+    max_total_tokens: int = 4096
+    # An environment call (reset / step) running longer ends its trajectory as a counted failure.
+    step_timeout_s: float = 60.0
+    # Environment calls that raised or timed out, over the run, before it stops with an error; null: never
+    max_failures: int | None = 100
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,4 +326,5 @@ class Config:
     control: ControlConfig = field(default_factory=ControlConfig)  # group-size controller
     data: DataConfig  # prompt dataset
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward function
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn environment
     trainer: TrainerConfig  # loop, optimizer, checkpoints

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import itertools
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args
@@ -25,10 +26,11 @@ from .devices import parse_device
 from .errors import suggest
 from .fields import Found, check_value, raise_found, schema_type
 from .model_shape import check_megatron_passthrough
-from .schema import BuiltinController, Config
+from .schema import BuiltinController, BuiltinEnvironment, Config
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # "pkg.mod:Name"
 BUILTIN_CONTROLLERS: tuple[str, ...] = get_args(BuiltinController)
+BUILTIN_ENVIRONMENTS: tuple[str, ...] = get_args(BuiltinEnvironment)
 
 
 def check_section(obj: Any, key: str = "") -> Found:
@@ -127,6 +129,7 @@ def _pipeline(p: Any) -> Found:
 def _rollout(r: Any) -> Found:
     """Engines vs devices vs TP, the vllm pass-through, the sync address."""
     yield from _engine_devices(r)
+    yield from _engine_nodes(r)
     if r.vllm and r.engine != "vllm":
         yield "rollout.vllm", f"is only for rollout.engine 'vllm', got {r.engine!r}; remove it or use 'vllm'"
     yield from _sync_address(r.sync_address)
@@ -153,6 +156,32 @@ def _engine_devices(r: Any) -> Found:
         elif device.kind != "cpu" and len(device.ids) != r.tensor_parallel_size:
             yield "rollout.devices", (f"[{i}] = {text!r} names {len(device.ids)} devices but "
                                       f"rollout.tensor_parallel_size = {r.tensor_parallel_size}")
+
+
+def launch_nodes() -> int | None:
+    """Nodes of the launch: ``NNODES`` (the launchers export it) or torchrun's ``GROUP_WORLD_SIZE``."""
+    text = os.environ.get("NNODES") or os.environ.get("GROUP_WORLD_SIZE")
+    return int(text) if text and text.isdigit() else None
+
+
+def _engine_nodes(r: Any) -> Found:
+    """One node rank per engine, each below the launch's node count; engines off node 0 get
+    their weights over the network (node 0's /dev/shm is not theirs)."""
+    if not r.engine_nodes:
+        return
+    if len(r.engine_nodes) != r.num_engines:
+        yield "rollout.engine_nodes", (f"lists {len(r.engine_nodes)} entries but rollout.num_engines = "
+                                       f"{r.num_engines}; give the node rank of every engine, or [] (all on node 0)")
+        return
+    nodes = launch_nodes()
+    bad = [n for n in r.engine_nodes if n < 0 or (nodes is not None and n >= nodes)]
+    if bad:
+        yield "rollout.engine_nodes", (f"{list(r.engine_nodes)} names node(s) {bad}, but the launch has "
+                                       f"{nodes} node(s) (NNODES): use node ranks 0..{(nodes or 1) - 1}")
+    remote = sorted({n for n in r.engine_nodes if n != 0})
+    if remote and r.weight_sync == "shared_memory":
+        yield "rollout.weight_sync", (f"'shared_memory' maps node 0's /dev/shm, but engines run on node(s) {remote} "
+                                      "(rollout.engine_nodes): use 'broadcast' (or 'snapshot' on a shared filesystem)")
 
 
 def _sync_address(text: str) -> Found:
@@ -212,6 +241,16 @@ def _reward(r: Any) -> Found:
         yield "reward.fn", f"{fn!r} is neither a builtin reward name nor a dotted path 'pkg.mod:function'"
 
 
+def _environment(e: Any) -> Found:
+    """environment.kind is "none", a builtin name or a dotted path; options need an environment
+    (whether the path imports and makes an Environment: `resources.py`)."""
+    if e.kind not in BUILTIN_ENVIRONMENTS and not DOTTED_PATH.match(e.kind):
+        names, hint = ", ".join(BUILTIN_ENVIRONMENTS), suggest(e.kind, BUILTIN_ENVIRONMENTS)
+        yield "environment.kind", f"{e.kind!r} is not one of {names} or a dotted path 'pkg.mod:Factory' ({hint})"
+    if e.kind == "none" and e.options:
+        yield "environment.options", "are keyword arguments of an environment; environment.kind 'none' takes none"
+
+
 def _trainer(t: Any) -> Found:
     """Each optimizer step takes prompts_per_batch / mini_batches prompts; saving needs a place."""
     if t.prompts_per_batch % t.mini_batches:
@@ -236,5 +275,6 @@ SECTION_RULES: dict[str, Callable[[Any], Found]] = {
     "control.sagc": _sagc,
     "data": _data,
     "reward": _reward,
+    "environment": _environment,
     "trainer": _trainer,
 }
