@@ -120,6 +120,33 @@ def test_abandoned_iterator_leaves_the_pool_clean(engine):
     assert {r.request_id for r in run_all(engine, reqs).values()} == {r.request_id for r in reqs}
 
 
+def test_stream_takes_requests_while_generating(engine):
+    """generate_stream: a request put after the first result is answered in the same call; every
+    result equals the same seeded request run through generate (per-request seeds)."""
+    from megatron_rl.rollout.feed import RequestFeed
+
+    first = [request(f"s{i}", p, max_new=5, seed=i) for i, p in enumerate(PROMPTS)]
+    later = request("later", (7, 8, 9), max_new=4, seed=9)
+    feed = RequestFeed()
+    for r in first:
+        feed.put(r)
+    got = {}
+    for result in engine.generate_stream(feed):
+        if not got:  # the engine is busy with the others: the next turn joins them
+            feed.put(later)
+            feed.close()
+        got[result.request_id] = result
+    expected = run_all(engine, [*first, later])
+    assert set(got) == set(expected)
+    for rid, result in got.items():
+        assert result.response_ids == expected[rid].response_ids
+    empty = RequestFeed()
+    empty.close()
+    assert list(engine.generate_stream(empty)) == []
+    with pytest.raises(RuntimeError, match="after close"):
+        empty.put(later)
+
+
 @pytest.fixture(scope="module")
 def synced(engine, hf_dir, tmp_path_factory):
     """Trainer step -> snapshot -> load_weights(version 1); returns the megatron reference."""

@@ -11,6 +11,11 @@ Contract:
   one call raise ``RolloutWorkerError`` (``Supervisor.count_death``).
 - A Python exception inside a worker raises ``RolloutWorkerError`` naming the worker and
   its requests.
+- Routing: a whole group (requests ``"<step>/<prompt>/<k>"`` of one prompt) goes to one
+  worker, the one with the fewest outstanding tokens (``outstanding_tokens``), local or on
+  another node (``rollout.remote``).
+- ``stream_results`` is the same over a ``RequestFeed`` (multi-turn): requests join while
+  others decode, and the wait covers the feed's handle, so a new turn is dispatched at once.
 - Whatever happens, ``drain`` runs before the call returns: no command of this call is
   left outstanding, and workers that died are left for the next call to restart.
 """
@@ -20,7 +25,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerHandle
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.rollout.worker import Done, Failed, Generate, Loaded, Result
@@ -34,39 +41,104 @@ PREFETCH = 2
 def generate_results(sup: Supervisor, requests: list[GenerationRequest], *,
                      max_batch_size: int) -> Iterator[GenerationResult]:
     """Yield one result per request of ``requests`` (ids unique), in completion order."""
-    pending = deque(requests)
-    answered: set[str] = set()
+    call = _Call(pending=deque(requests))
     chunk = max(1, min(max_batch_size, math.ceil(len(requests) / len(sup.workers))))
-    deaths = 0
     try:
-        while len(answered) < len(requests):
-            _dispatch(sup.workers, pending, chunk)
-            for w, message in sup.next_events([w for w in sup.workers if w.busy]):
-                if message is None:
-                    deaths = sup.count_death(w, deaths, "generate")
-                    pending.extendleft(reversed(_take_back(w)))
-                    sup.restart(w)
-                elif isinstance(message, Result):
-                    result = message.result
-                    if w.in_flight.pop(result.request_id, None) and result.request_id not in answered:
-                        assert result.weight_version == sup.version, (result.weight_version, sup.version)
-                        answered.add(result.request_id)
-                        yield result
-                elif isinstance(message, Done):
-                    _finish_chunk(w)
-                elif isinstance(message, Failed):
-                    _fail_chunk(w, message)
+        while len(call.answered) < len(requests):
+            _dispatch(sup.workers, call.pending, chunk)
+            yield from _events(sup, call, ())
     finally:
         drain(sup)
 
 
+def stream_results(sup: Supervisor, feed: RequestFeed, *, max_batch_size: int) -> Iterator[GenerationResult]:
+    """Yield one result per request put on ``feed``, in completion order, until the feed is
+    closed and every request answered (or aborted). Requests are dispatched as they arrive, in
+    chunks of at most ``max_batch_size`` spread over the workers; ids must be unique."""
+    call, taken = _Call(pending=deque()), 0
+    try:
+        while True:
+            new, closed, aborted = feed.take()
+            if aborted:
+                return
+            call.pending.extend(new)
+            taken += len(new)
+            if closed and not call.pending and len(call.answered) == taken:
+                return
+            if call.pending:
+                chunk = max(1, min(max_batch_size, math.ceil(len(call.pending) / len(sup.workers))))
+                _dispatch(sup.workers, call.pending, chunk)
+            yield from _events(sup, call, (feed.handle,))
+    finally:
+        drain(sup)
+
+
+@dataclass
+class _Call:
+    """The state of one generate / stream call."""
+
+    pending: deque
+    answered: set[str] = field(default_factory=set)
+    deaths: int = 0
+
+
+def _events(sup: Supervisor, call: _Call, extra: tuple) -> Iterator[GenerationResult]:
+    """One wait on the busy workers (and ``extra``): handle every message, yield new results."""
+    for w, message in sup.next_events([w for w in sup.workers if w.busy], extra):
+        if message is None:
+            call.deaths = sup.count_death(w, call.deaths, "generate")
+            call.pending.extendleft(reversed(_take_back(w)))
+            sup.restart(w)
+        elif isinstance(message, Result):
+            result = message.result
+            if w.in_flight.pop(result.request_id, None) and result.request_id not in call.answered:
+                assert result.weight_version == sup.version, (result.weight_version, sup.version)
+                call.answered.add(result.request_id)
+                yield result
+        elif isinstance(message, Done):
+            _finish_chunk(w)
+        elif isinstance(message, Failed):
+            _fail_chunk(w, message)
+
+
 def _dispatch(workers: list[WorkerHandle], pending: deque, chunk: int) -> None:
-    for w in workers:
-        while pending and w.outstanding < PREFETCH:
-            batch = tuple(pending.popleft() for _ in range(min(chunk, len(pending))))
-            w.in_flight.update((r.request_id, r) for r in batch)
-            w.chunks.append(tuple(r.request_id for r in batch))
-            w.send(Generate(batch))
+    """Whole groups (their G samples share the prompt's KV cache in one engine) to the worker
+    with the fewest outstanding tokens, about ``chunk`` requests per command (a larger group
+    goes whole), while some worker holds fewer than ``PREFETCH`` commands."""
+    while pending:
+        ready = [w for w in workers if w.outstanding < PREFETCH]
+        if not ready:
+            return
+        w = min(ready, key=lambda w: (outstanding_tokens(w), w.spec.index))
+        batch = _take_groups(pending, chunk)
+        w.in_flight.update((r.request_id, r) for r in batch)
+        w.chunks.append(tuple(r.request_id for r in batch))
+        w.send(Generate(batch))
+
+
+def group_of(request: GenerationRequest) -> str:
+    """The group of a request: its id up to the last ``/`` (``"<step>/<prompt>/<k>"``)."""
+    return request.request_id.rpartition("/")[0] or request.request_id
+
+
+def outstanding_tokens(w: WorkerHandle) -> int:
+    """Prompt plus the most new tokens of every request ``w`` has not answered yet."""
+    return sum(len(r.prompt_ids) + r.sampling.max_new_tokens for r in w.in_flight.values())
+
+
+def _take_groups(pending: deque, chunk: int) -> tuple[GenerationRequest, ...]:
+    """Runs of same-group requests from the front of ``pending``: at least one run, more while
+    they fit in ``chunk``."""
+    batch: list[GenerationRequest] = []
+    while pending:
+        key, run = group_of(pending[0]), []
+        while pending and group_of(pending[0]) == key:
+            run.append(pending.popleft())
+        if batch and len(batch) + len(run) > chunk:
+            pending.extendleft(reversed(run))
+            break
+        batch += run
+    return tuple(batch)
 
 
 def _finish_chunk(w: WorkerHandle) -> None:

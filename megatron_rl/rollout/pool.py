@@ -13,6 +13,8 @@
 Contract:
 - ``generate`` yields one result per request, in completion order; a Python exception
   inside a worker is raised here as ``RolloutWorkerError`` naming the worker and requests.
+- ``generate_stream(feed)`` is ``generate`` over a ``rollout.feed.RequestFeed`` whose requests
+  arrive while it runs (multi-turn rollouts); same guarantees, one weight version throughout.
 - ``load_weights(update, version)`` returns once every worker runs the new version; results
   always carry the version they were sampled with.
 - ``generate`` and the updates may come from different threads (stale mode: the producer
@@ -31,7 +33,8 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 from megatron_rl.rollout.delivery import Delivery
-from megatron_rl.rollout.dispatch import generate_results
+from megatron_rl.rollout.dispatch import generate_results, stream_results
+from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.rollout.worker import WorkerSpec
@@ -46,12 +49,14 @@ class WorkerPool:
     def __init__(
         self, specs: Sequence[WorkerSpec], *, max_batch_size: int, max_restarts: int = 3,
         start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, sync_backend: str = "gloo",
-        sync_address: str = "127.0.0.1",
+        sync_address: str = "127.0.0.1", remote=None,
     ):
         """``sync_backend`` / ``sync_address``: the collective backend the workers' devices speak
-        and the interface the sync groups' listeners bind to (``weight_sync.broadcast``)."""
+        and the interface the sync groups' listeners bind to (``weight_sync.broadcast``);
+        ``remote``: the ``rollout.remote.EngineHub`` that starts the workers of nodes > 0
+        (closed with the pool)."""
         self._sup = Supervisor(specs, max_restarts=max_restarts, start_timeout_s=start_timeout_s,
-                               request_timeout_s=request_timeout_s)
+                               request_timeout_s=request_timeout_s, remote=remote)
         self._sync = Delivery(self._sup, group_backend=sync_backend, address=sync_address)
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()
@@ -88,6 +93,12 @@ class WorkerPool:
         self._check_idle("generate")
         return self._generate(list(requests))
 
+    def generate_stream(self, feed: RequestFeed) -> Iterator[GenerationResult]:
+        """Yield one result per request put on ``feed`` (``rollout.feed``), in completion order,
+        until it is closed and answered; holds the pool like ``generate`` (one weight version)."""
+        self._check_idle("generate_stream")
+        return self._generate(feed)
+
     def load_weights(self, update: WeightUpdate, version: int) -> None:
         """Load ``update`` (a ``weight_sync`` transport's message) into every worker as ``version``."""
         if not isinstance(update, WeightUpdate):
@@ -101,12 +112,15 @@ class WorkerPool:
         """Stop every worker (idempotent)."""
         self._finalizer()
 
-    def _generate(self, requests: list[GenerationRequest]) -> Iterator[GenerationResult]:
+    def _generate(self, requests: list[GenerationRequest] | RequestFeed) -> Iterator[GenerationResult]:
         with self._lock:
             self._prepare("generate")
             self._active = threading.get_ident()
             try:
-                yield from generate_results(self._sup, requests, max_batch_size=self._max_batch_size)
+                if isinstance(requests, RequestFeed):
+                    yield from stream_results(self._sup, requests, max_batch_size=self._max_batch_size)
+                else:
+                    yield from generate_results(self._sup, requests, max_batch_size=self._max_batch_size)
             finally:
                 self._active = None
 

@@ -149,8 +149,9 @@ class Supervisor:
     """Starts, watches and restarts the worker processes of one pool."""
 
     def __init__(self, specs: Sequence[WorkerSpec], *, max_restarts: int, start_timeout_s: float,
-                 request_timeout_s: float):
+                 request_timeout_s: float, remote=None):
         self._ctx = mp.get_context("spawn")
+        self.remote = remote  # rollout.remote.EngineHub: starts the workers of nodes > 0 (spec.node)
         self.workers = [WorkerHandle(spec) for spec in specs]
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
@@ -166,14 +167,16 @@ class Supervisor:
         for w in self.workers:
             self._await_ready(w)
 
-    def next_events(self, workers: list[WorkerHandle]) -> Iterator[tuple[WorkerHandle, object | None]]:
-        """Block until some of ``workers`` has news or the earliest hang deadline; yield
-        (worker, message) per message, then (worker, None) once per worker found dead or hung."""
+    def next_events(self, workers: list[WorkerHandle],
+                    extra: Sequence = ()) -> Iterator[tuple[WorkerHandle, object | None]]:
+        """Block until some of ``workers`` (or a waitable of ``extra``: a ``RequestFeed``'s handle)
+        has news or the earliest hang deadline; yield (worker, message) per message, then
+        (worker, None) once per worker found dead or hung."""
         deadline = {w: w.last_heard + self.request_timeout_s for w in workers if w.busy}
         earliest = min(deadline.values(), default=time.monotonic() + self.request_timeout_s)
         timeout = max(0.0, earliest - time.monotonic())
         handles = {w.conn: w for w in workers} | {w.process.sentinel: w for w in workers}
-        ready = dict.fromkeys(handles[h] for h in wait(list(handles), timeout=timeout))
+        ready = dict.fromkeys(handles[h] for h in wait([*handles, *extra], timeout=timeout) if h in handles)
         for w in ready:
             while (message := _try_recv(w)) is not None:
                 w.last_heard = time.monotonic()
@@ -230,6 +233,10 @@ class Supervisor:
             self.on_restart(w)
 
     def _spawn(self, w: WorkerHandle) -> None:
+        if w.spec.node != 0:  # on its node's engine host, over the network (same protocol)
+            w.process, w.conn = self.remote.spawn(w.spec, self.start_load, self.version, self.start_timeout_s)
+            w.sender = _Sender(w.conn, w.process.name)
+            return
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         w.process = self._ctx.Process(
             target=worker_main, args=(w.spec, child_conn, self.start_load, self.version),
@@ -273,6 +280,8 @@ def stop_supervised(sup: Supervisor) -> None:
     ``stop_workers``."""
     sup.closed.set()
     stop_workers(sup.workers)
+    if sup.remote is not None:
+        sup.remote.close()
 
 
 def stop_workers(workers: list[WorkerHandle]) -> None:

@@ -22,6 +22,10 @@ class EngineWrapper:
     def generate(self, requests: Sequence[GenerationRequest]) -> Iterator[GenerationResult]:
         return self.inner.generate(requests)
 
+    def generate_stream(self, feed):
+        """Forwarded as is: a wrapper that changes ``generate`` must override this too to see turns."""
+        return self.inner.generate_stream(feed)
+
     def load_weights(self, update: WeightUpdate, version: int) -> None:
         self.inner.load_weights(update, version)
 
