@@ -37,3 +37,24 @@ def test_a_fresh_sequence_with_the_same_gap_is_masked():
     plain = _loss(RolloutCorrection(mode="none"), versions=[5, 5])
     assert float(fresh.metrics.mismatch.n_masked) == 4 and float(fresh.metrics.mismatch.n_tokens) == 8
     assert not torch.allclose(fresh.loss, plain.loss)
+
+
+def test_delta_masking_drops_stale_sequences_too():
+    """The issue's reproduction: every sample one version old (d = 1), the engine 2 nats/token
+    above the policy, δ = 0: the negative-advantage sequence is dropped (it was kept, and every
+    mismatch metric read 0.0); the loss equals the plain loss without that sequence's tokens."""
+    logp = (-torch.rand(2, 4, generator=torch.Generator().manual_seed(1)) - 3.0).requires_grad_()
+    behav = logp.detach() + 2.0
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    adv, versions = torch.tensor([-0.5, 1.0]), torch.full((2, 4), 4)
+
+    def loss(correction, mask):
+        settings = LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=correction)
+        return policy_loss(settings, logp=logp, mask=mask, advantages=adv, denominator=8.0, behav_logp=behav,
+                           versions=versions, current_version=5)
+
+    masked = loss(RolloutCorrection(mode="none", delta=0.0), mask)
+    without_seq0 = loss(RolloutCorrection(mode="none"), mask & torch.tensor([[False], [True]]))
+    torch.testing.assert_close(masked.loss, without_seq0.loss)
+    assert masked.metrics.mismatch.to_log() == {"mismatch/n_tokens": 0.0, "mismatch/delta_dropped_tokens": 4.0}
+    assert not torch.allclose(masked.loss, loss(RolloutCorrection(mode="none"), mask).loss)

@@ -40,8 +40,9 @@ multiplying a second ratio would count the correction twice. There the correctio
 weight is kept as the one weight (bounded by ``behav_weight_cap``), and ``*_truncate`` modes
 are refused (bound the behaviour weight with ``behav_weight_cap`` instead). Only tokens sampled
 by the weights the trainer holds (staleness 0) have a same-weights comparison: ``policy_loss``
-passes them alone as the mask here, and stale tokens (stale mode, d ≥ 1) are neither measured
-nor corrected; the decoupled behaviour weight owns them.
+passes them as ``measured``; stale tokens (stale mode, d ≥ 1) get no ratio and no measurement
+(the decoupled behaviour weight owns them; ``trainer.engine_probe`` measures the engine in
+stale mode), but δ masking, which needs only π_θ and π_behav, applies to them as to fresh ones.
 
 Non-finite behaviour log-probs (NaN / ±inf from the engine) are no measurement, and never a
 match: such a token gets δ_t = 0 like padding (it must not reach an exp), is dropped (weight 0,
@@ -102,6 +103,8 @@ class MismatchMetrics:
     n_masked: torch.Tensor  # counted tokens whose weight the correction set to 0
     n_nonfinite: torch.Tensor  # counted tokens whose behaviour log-prob is NaN / ±inf
     seq_log_weights: torch.Tensor  # [S] Σ_t δ_t of each measured sequence (merge concatenates)
+    # counted tokens (measured or stale) that δ masking dropped; None when δ is off
+    n_delta_dropped: torch.Tensor | None = None
 
     SUM_FIELDS = ("n_tokens", "abs_diff_sum", "kl_k3_sum", "n_masked", "n_nonfinite")
     MAX_FIELDS = ("abs_diff_max", "seq_ratio_max")
@@ -111,6 +114,8 @@ class MismatchMetrics:
         """Statistics of the union of both token sets."""
         def combine(name: str) -> torch.Tensor:
             a, b = getattr(self, name), getattr(other, name)
+            if a is None or b is None:  # n_delta_dropped: δ off on one side counts 0 there
+                return b if a is None else a
             if name == "seq_log_weights":
                 return torch.cat([a, b.to(a.device)])
             return (torch.maximum if name in self.MAX_FIELDS else torch.add)(a, b)
@@ -121,8 +126,9 @@ class MismatchMetrics:
         """The ``mismatch/…`` metrics as plain floats (syncs with the device); ``n_tokens`` alone
         when no token was measured."""
         n = float(self.n_tokens)
+        delta = {} if self.n_delta_dropped is None else {prefix + "delta_dropped_tokens": float(self.n_delta_dropped)}
         if n <= 0:
-            return {prefix + "n_tokens": 0.0}
+            return {prefix + "n_tokens": 0.0, **delta}
         weights = torch.exp(self.seq_log_weights.detach().double().cpu())
         out = {
             "n_tokens": n,
@@ -136,7 +142,7 @@ class MismatchMetrics:
         if weights.numel():
             out.update(seq_weight_median=float(weights.median()), seq_weight_min=float(weights.min()),
                        seq_weight_low_fraction=float((weights < self.SEQUENCE_LOW).double().mean()))
-        return {prefix + k: v for k, v in out.items()}
+        return {prefix + k: v for k, v in out.items()} | delta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,25 +215,35 @@ def rollout_correction(
     logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    measured: torch.Tensor | None = None,
 ) -> Correction:
     """The per-token correction weight, what it dropped, and the mismatch metrics.
 
     ``trainer_logp [B, L]`` old-policy (or detached policy) log-probs, ``behav_logp [B, L]``
     engine log-probs, ``logp [B, L]`` the policy being trained (δ-masking only; detached),
-    ``advantages [B]``, ``mask [B, L]``. Everything returned is detached.
+    ``advantages [B]``, ``mask [B, L]``. ``measured [B, L]`` (default: ``mask``): the counted
+    tokens that ``trainer_logp`` compares with the weights that sampled them (staleness 0); the
+    mode's ratio and the metrics use those alone (weight 1 on the others), while δ masking (it
+    needs only π_θ and π_behav) and the non-finite drop act on every counted token. Everything
+    returned is detached.
     """
     with torch.no_grad():
         counted = mask.bool()
-        delta_t = log_ratio(trainer_logp, behav_logp, mask)
-        weight, dropped = bound_ratio(importance_ratio(delta_t, settings.mode, mask), settings.mode,
+        measured = counted if measured is None else measured.bool() & counted
+        delta_t = log_ratio(trainer_logp, behav_logp, measured)
+        weight, dropped = bound_ratio(importance_ratio(delta_t, settings.mode, measured), settings.mode,
                                       settings.c_min, settings.c_max)
-        weight, dropped = weight.expand_as(delta_t), dropped.expand_as(delta_t)
+        weight = torch.where(measured, weight.expand_as(delta_t), 1.0)
+        dropped = dropped.expand_as(delta_t) & measured
+        delta_dropped = None
         if settings.delta is not None:
             keep = off_policy_keep(advantages, logp, behav_logp, mask, settings.delta)[:, None]
             weight, dropped = weight * keep.to(weight.dtype), dropped | ~keep
+            delta_dropped = (~keep & counted).sum().float()
         dropped = (dropped | nonfinite_behav(behav_logp, mask)) & counted  # no measurement: out, in every mode
         weight = torch.where(counted & ~dropped, weight, 0.0)
-        metrics = mismatch_metrics(trainer_logp, behav_logp, mask, dropped)
+        metrics = replace(mismatch_metrics(trainer_logp, behav_logp, measured, dropped),
+                          n_delta_dropped=delta_dropped)
     return Correction(weight=weight, dropped=dropped, metrics=metrics)
 
 

@@ -29,7 +29,9 @@ cap drops still count in the denominator (as in AReaL).
 Rollout correction (``correction.py``): whenever ``behav_logp`` is given, the engine's log-
 probs are compared with the trainer's for the same weights (``old_logp``, or the detached
 policy when it is None) on the tokens sampled by those weights (staleness 0; stale tokens
-are neither measured nor corrected: the decoupled behaviour weight owns them) and TRL's
+are not measured, and get no importance ratio: the decoupled behaviour weight owns them; δ
+off-policy masking, which needs only π_θ and π_behav, applies to them too; in stale mode the
+engine probe, ``trainer.engine_probe``, measures the engine each step) and TRL's
 ``vllm_importance_sampling_*`` weight multiplies the clipped policy term per token (KL and
 entropy terms unweighted, dropped tokens still in the denominator, as TRL). In
 ``ppo_decoupled`` the behaviour weight stays the one importance weight and the correction
@@ -169,12 +171,13 @@ def policy_loss(
     correction, fresh = None, mask.bool()
     if behav_logp is not None and compare_engine:
         # Only tokens sampled by the weights the trainer holds as old_logp (staleness 0) have a
-        # same-weights comparison; stale tokens (stale mode, d >= 1) are left to the behaviour weight.
+        # same-weights comparison (the mode's ratio, the metrics); stale tokens (stale mode, d >= 1)
+        # get δ masking (it needs only π_θ and π_behav) and are otherwise left to the behaviour weight.
         if versions is not None and current_version is not None:
             fresh = fresh & (versions == current_version)
         correction = rollout_correction(
             settings.correction, trainer_logp=logp if old_logp is None else old_logp,
-            behav_logp=behav_logp, logp=logp, advantages=advantages, mask=fresh,
+            behav_logp=behav_logp, logp=logp, advantages=advantages, mask=mask, measured=fresh,
         )
     counted = mask.bool()
     loss_tokens = counted if behav is None else behav.kept
@@ -189,8 +192,7 @@ def policy_loss(
     if behav is not None:
         per_token = per_token * behav.weight
     if correction is not None:
-        factor = torch.where(fresh, _correction_factor(settings, correction), 1.0)
-        per_token = per_token * factor.to(per_token.dtype)
+        per_token = per_token * _correction_factor(settings, correction).to(per_token.dtype)
     kl_ref = None
     if ref_logp is not None:
         ref = torch.where(counted, ref_logp, logp.detach())
