@@ -6,9 +6,11 @@ Per batch i (step = start_step + i) the thread
    ``BatchStart``,
 3. sends every (prompt, k) request to the engine in one ``generate`` call (seeded per request,
    see ``records.request_seed``),
-4. scores each result as it completes; when a prompt's G samples are in, shapes the rewards,
-   computes the group's advantages and dynamic-sampling verdict and puts the ``ScoredGroup``
-   on the bounded queue (blocking while it is full),
+4. submits each result's reward as it completes (``reward_fn.submit`` when it has one, e.g. a
+   ``rewards.RewardPool`` scoring in worker processes, else called in this thread); when a
+   prompt's G samples are scored, shapes the rewards, computes the group's advantages and
+   dynamic-sampling verdict and puts the ``ScoredGroup`` on the bounded queue (blocking while
+   it is full); ``BatchEnd.reward_s`` is the time this thread spent in or waiting for rewards,
 5. after the last group, lets the controller observe the batch's response lengths and puts a
    ``BatchEnd`` carrying the controller's metrics and state.
 
@@ -28,7 +30,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -130,6 +134,7 @@ class _PendingBatch:
     where: dict[str, tuple[int, int]]  # request id -> (prompt index, k), removed when answered
     slots: list[list[Sample | None]]
     dropped: int = 0
+    scoring: list[tuple[int, int, GenerationResult, Future]] = field(default_factory=list)  # (p, k, result, reward)
 
 
 class Producer:
@@ -198,6 +203,7 @@ class Producer:
             if self._stop.is_set():
                 raise _Stopped
             self._accept(i, batch, result)
+        self._harvest(batch, wait=True)
         if batch.where:
             missing = next(iter(batch.where))
             raise RuntimeError(f"engine returned no result for {len(batch.where)} requests, e.g. {missing!r}")
@@ -227,21 +233,51 @@ class Producer:
                                  sampling=sampling)
 
     def _accept(self, i: int, batch: _PendingBatch, result: GenerationResult) -> None:
-        """Score one result; put its group on the queue if it completed the group."""
+        """Check one result and submit its reward; put the groups scored so far (``_harvest``)."""
         if result.request_id not in batch.where:
             raise RuntimeError(f"engine returned an unknown or duplicate request id {result.request_id!r}")
         p, k = batch.where.pop(result.request_id)
         self._schedule.check_sample(i, result.weight_version, result.request_id)
-        record = batch.items[p].record
         start = time.perf_counter()
-        reward = float(self._reward_fn(record, self._detokenize(result.response_ids)))
+        batch.scoring.append((p, k, result, self._submit(batch.items[p].record, result.response_ids)))
         self._reward_s += time.perf_counter() - start
+        self._harvest(batch, wait=False)
+
+    def _submit(self, record: Any, response_ids: Sequence[int]) -> Future:
+        text = self._detokenize(response_ids)
+        submit = getattr(self._reward_fn, "submit", None)
+        if submit is not None:
+            return submit(record, text)
+        future: Future = Future()
+        future.set_result(self._reward_fn(record, text))
+        return future
+
+    def _harvest(self, batch: _PendingBatch, *, wait: bool) -> None:
+        """Place every scored sample (with ``wait``: until none is left), in submission order."""
+        while batch.scoring:
+            if wait:
+                start = time.perf_counter()
+                wait_futures([t[3] for t in batch.scoring], timeout=self._poll_s, return_when=FIRST_COMPLETED)
+                self._reward_s += time.perf_counter() - start
+                if self._stop.is_set():
+                    raise _Stopped
+            finished = [t[3].done() for t in batch.scoring]  # one look per future: it may finish meanwhile
+            done = [t for t, f in zip(batch.scoring, finished, strict=True) if f]
+            batch.scoring = [t for t, f in zip(batch.scoring, finished, strict=True) if not f]
+            for p, k, result, future in done:
+                self._place(batch, p, k, result, float(future.result()))
+            if not wait:
+                return
+
+    def _place(self, batch: _PendingBatch, p: int, k: int, result: GenerationResult, reward: float) -> None:
+        """Store one scored sample; put its group on the queue if it completed the group."""
+        record = batch.items[p].record
         batch.slots[p][k] = Sample(
             prompt_id=record.prompt_id, request_id=result.request_id, index=k,
             prompt_ids=tuple(batch.items[p].token_ids),
             response_ids=result.response_ids, behav_logprobs=result.logprobs, weight_version=result.weight_version,
             finish_reason=result.finish_reason,
-            reward=reward,
+            reward=reward, routed_experts=result.routed_experts,
         )
         if all(s is not None for s in batch.slots[p]):
             group = score_group(step=batch.step, prompt_index=p, samples=batch.slots[p], scoring=self._scoring)

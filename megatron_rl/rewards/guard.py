@@ -8,6 +8,7 @@ returns ``float(fn(record, text))`` when that is a finite number obtained within
     timeout       fn ran longer than ``timeout_s`` (reward.timeout_s)
     not_a_number  fn returned something that is not a real number (a str, None, a list, ...)
     non_finite    fn returned NaN or ±inf
+    crashed       the worker process running fn died (``pool.RewardPool`` only; it is replaced)
 
 ``stats()`` returns a ``RewardStats`` snapshot (thread-safe) the loop can log. The first
 failure of each kind is logged once, naming the prompt.
@@ -16,7 +17,11 @@ Time limit: the call runs in a daemon thread of its own, and the caller stops wa
 ``timeout_s``. Python cannot kill a thread, so a call that never returns keeps its thread
 (counted in ``RewardStats.abandoned`` while it runs); a call stuck in C code holding the GIL
 (e.g. huge sympy integers) still slows the process: builtins refuse such inputs up front
-(``builtin.py``). ``timeout_s=None`` calls ``fn`` inline (no time limit).
+(``builtin.py``). ``timeout_s=None`` calls ``fn`` inline (no time limit). ``pool.RewardPool``
+runs the calls in worker processes instead (``reward.workers``), where a hung call is killed.
+
+``submit(record, text)`` is the producer's entry point: a ``Future`` of the guarded reward
+(here computed at once, in the caller's thread; the pool returns before the call is done).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import math
 import numbers
 import threading
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from megatron_rl.config.fields import require_values
@@ -34,7 +40,7 @@ from megatron_rl.rewards.base import RewardFn
 
 logger = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("raised", "timeout", "not_a_number", "non_finite")
+FAILURE_KINDS = ("raised", "timeout", "not_a_number", "non_finite", "crashed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +61,16 @@ class RewardStats:
         out = {f"{prefix}calls": float(self.calls), f"{prefix}failures": float(self.failed)}
         out |= {f"{prefix}failures_{kind}": float(n) for kind, n in self.failures.items()}
         return out
+
+
+def number_or_problem(value: object) -> float | str:
+    """``float(value)`` for a real number (NaN / inf included), else why it is not a number."""
+    if isinstance(value, str | bytes) or not (isinstance(value, numbers.Real) or hasattr(type(value), "__float__")):
+        return f"returned {type(value).__name__} {value!r:.80}, not a number"
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:  # e.g. a tensor of several elements
+        return f"returned {type(value).__name__} ({err}), not a number"
 
 
 class _Call:
@@ -108,13 +124,16 @@ class GuardedReward:
             return self._fail("raised", record, f"{type(call.error).__name__}: {call.error}", call.trace)
         return self._check(call.value, record)
 
+    def submit(self, record: PromptRecord, response_text: str) -> Future[float]:
+        """A future of ``self(record, response_text)``; here already done (computed in this thread)."""
+        future: Future[float] = Future()
+        future.set_result(self(record, response_text))
+        return future
+
     def _check(self, value: object, record: PromptRecord) -> float:
-        if isinstance(value, str | bytes) or not (isinstance(value, numbers.Real) or hasattr(type(value), "__float__")):
-            return self._fail("not_a_number", record, f"returned {type(value).__name__} {value!r:.80}, not a number")
-        try:
-            number = float(value)
-        except (TypeError, ValueError) as err:  # e.g. a tensor of several elements
-            return self._fail("not_a_number", record, f"returned {type(value).__name__} ({err}), not a number")
+        number = number_or_problem(value)
+        if isinstance(number, str):
+            return self._fail("not_a_number", record, number)
         if not math.isfinite(number):
             return self._fail("non_finite", record, f"returned {number}")
         return number

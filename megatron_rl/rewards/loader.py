@@ -42,7 +42,12 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def load_guarded_reward(spec: str, *, timeout_s: float | None) -> GuardedReward:
+def load_guarded_reward(spec: str, *, timeout_s: float | None, workers: int = 0) -> GuardedReward:
     """`load_reward_fn(spec)` wrapped in a `GuardedReward` with time limit `timeout_s`
-    (reward.timeout_s); its `stats()` counts the failures."""
+    (reward.timeout_s); its `stats()` counts the failures. ``workers`` > 0 (reward.workers):
+    a `pool.RewardPool` of that many processes instead."""
+    if workers:
+        from megatron_rl.rewards.pool import RewardPool  # imports this module: loaded on use
+
+        return RewardPool(spec, workers=workers, timeout_s=timeout_s)
     return GuardedReward(load_reward_fn(spec), timeout_s=timeout_s, name=spec)

@@ -67,8 +67,9 @@ def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
 
 def reward_fn(cfg: Config) -> GuardedReward:
     """The reward function of ``reward.fn``, guarded: a call that raises, exceeds
-    ``reward.timeout_s`` or returns a non-number scores 0 and is counted (``.stats()``)."""
-    return load_guarded_reward(cfg.reward.fn, timeout_s=cfg.reward.timeout_s)
+    ``reward.timeout_s`` or returns a non-number scores 0 and is counted (``.stats()``); scored
+    by ``reward.workers`` processes when that is > 0 (``rewards.pool``)."""
+    return load_guarded_reward(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
 
 
 def group_scoring(cfg: Config) -> GroupScoring:
