@@ -30,13 +30,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import PipelineConfig, SamplingConfig, TrainerConfig
 from megatron_rl.config.sections import require_valid
 from megatron_rl.control import GroupSizeController
+from megatron_rl.parallel.world_timeout import generation_timeout
 from megatron_rl.pipeline.batching import StepBatch
+from megatron_rl.pipeline.multiturn import MultiTurnProducer, multiturn_metrics
 from megatron_rl.pipeline.producer import Detokenize, GroupScoring, Producer, PromptSource, RewardCallable
 from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayProducer
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, PipelineError, QueueItem
@@ -47,6 +51,9 @@ from megatron_rl.pipeline.versions import (
     staleness_stats,
 )
 from megatron_rl.rollout.types import RolloutEngine, SamplingSettings
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.multiturn import MultiTurnRollout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +67,7 @@ class PipelineSettings(PipelineConfig):
     flush_when_idle: bool = True  # periodic/stale: train a partial micro-batch rather than wait
     poll_s: float = 0.05  # how often blocked threads re-check stop / failure
     join_timeout_s: float = 10.0  # how long close() waits for the producer thread
+    world_timeout_s: float | None = None  # parallel.timeout_s: the longest wait for the next item; None: no limit
     # The producer thread shares the interpreter with the training thread, whose Python-level
     # work holds the GIL; with CPython's default 5 ms switch interval every hand-off can keep
     # the engines waiting for their next chunk (measured: +25% generation time while training
@@ -100,6 +108,7 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float,
     kept_groups = [g for g in batch.groups if g.kept]
     kept = [s for g in kept_groups for s in g.samples]
     rewards = [s.reward for g in batch.groups for s in g.samples]
+    turns = multiturn_metrics([s for g in batch.groups for s in g.samples])
     return BatchSummary(
         step=batch.step, policy_version=batch.policy_version, new_version=new_version, end=batch.finish(),
         staleness=staleness_stats([s.weight_version for s in kept], batch.policy_version),
@@ -108,7 +117,7 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float,
         trained_response_tokens=sum(len(s.response_ids) for s in kept),
         trained_prompt_tokens=sum(len(s.prompt_ids) for s in kept),
         reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s,
-        extra_metrics={**(extra_metrics or {}), "train/dp_imbalance": batch.router.imbalance()},
+        extra_metrics={**(extra_metrics or {}), **turns, "train/dp_imbalance": batch.router.imbalance()},
     )
 
 
@@ -120,12 +129,13 @@ class Pipeline:
         controller: GroupSizeController, sampling: SamplingSettings, scoring: GroupScoring,
         settings: PipelineSettings, num_steps: int, start_step: int = 0, record: str | Path | None = None,
         replay: str | Path | None = None, extra_metrics: Callable[[], dict[str, float]] | None = None,
-        replicas: int = 1,
+        replicas: int = 1, multiturn: MultiTurnRollout | None = None,
     ) -> None:
         """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
         a file instead of generating (``engine`` is then a ``recording.NullEngine``);
         ``extra_metrics``: counters added to every step's summary (data skipped, reward failures);
-        ``replicas``: data-parallel replicas the micro-batches are routed to (``pipeline.dispatch``)."""
+        ``replicas``: data-parallel replicas the micro-batches are routed to (``pipeline.dispatch``);
+        ``multiturn``: generate multi-turn trajectories with it (``pipeline.multiturn``)."""
         if num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {num_steps}")
         self.settings, self._engine = settings, engine
@@ -139,7 +149,7 @@ class Pipeline:
             self._producer = ReplayProducer(replay, out=self._queue, start_step=start_step, num_steps=num_steps,
                                             poll_s=settings.poll_s)
         else:
-            self._producer = Producer(
+            self._producer = (Producer if multiturn is None else partial(MultiTurnProducer, multiturn=multiturn))(
                 engine=engine, prompts=prompts, reward_fn=reward_fn, detokenize=detokenize, controller=controller,
                 versions=self.versions, schedule=self.schedule, sampling=sampling, scoring=scoring, out=self._queue,
                 start_step=start_step, num_steps=num_steps, seed=settings.seed, poll_s=settings.poll_s,
@@ -249,6 +259,9 @@ class Pipeline:
                 except queue.Empty:
                     if not self._producer.is_alive():
                         return self._last_item()
+                    limit = self.settings.world_timeout_s
+                    if limit is not None and time.monotonic() - t0 > limit:
+                        raise generation_timeout(limit, time.monotonic() - t0, "the pipeline's next group") from None
         except PipelineError:
             self._shutdown()
             raise

@@ -69,10 +69,22 @@ class Sample:
     weight_version: int  # policy version that generated every token
     finish_reason: Literal["stop", "length"]
     reward: float  # task reward from the reward function (before overlong shaping)
+    # Multi-turn trajectories (rollout.multiturn): the response holds model turns and the
+    # observations spliced between them; single-turn samples keep these defaults.
+    loss_mask: tuple[int, ...] | None = None  # [Lr] 1 = model token (trained), 0 = observation (no gradient)
+    turns: int = 1  # model turns
+    tool_calls: int = 0  # tool calls the environment parsed from the model's turns
+    tool_errors: int = 0  # of which failed
+    env_failures: int = 0  # environment calls that raised or timed out (the trajectory ended there)
+    env_s: float = 0.0  # seconds in environment calls
+    truncated: bool = False  # ended by environment.max_turns / max_total_tokens, not by the environment
 
     def __post_init__(self) -> None:
         if not self.response_ids:
             raise ValueError(f"request {self.request_id!r}: the engine returned an empty response")
+        if self.loss_mask is not None and (len(self.loss_mask) != len(self.response_ids)
+                                           or not set(self.loss_mask) <= {0, 1}):
+            raise ValueError(f"request {self.request_id!r}: loss_mask must be 0/1 per response token")
         if len(self.behav_logprobs) != len(self.response_ids):
             raise ValueError(
                 f"request {self.request_id!r}: {len(self.behav_logprobs)} log-probs for "
@@ -149,6 +161,9 @@ class MicroBatch:
     behav_logprobs: torch.Tensor  # [N] float32
     versions: torch.Tensor  # [R] int64, weight version that generated each response
     replica: int = 0  # DP replica that trains it (``pipeline.dispatch``)
+    # [N] bool, True = model token; None: every response token is (single-turn). Observation
+    # tokens of multi-turn trajectories are False: no policy term, KL, entropy or mismatch there.
+    loss_mask: torch.Tensor | None = None
 
     @property
     def token_advantages(self) -> torch.Tensor:
@@ -175,7 +190,8 @@ class MicroBatch:
         return replace(self, packed=self.packed.to(device),
                        advantages=self.advantages.to(device, non_blocking=True),
                        behav_logprobs=self.behav_logprobs.to(device, non_blocking=True),
-                       versions=self.versions.to(device, non_blocking=True))
+                       versions=self.versions.to(device, non_blocking=True),
+                       loss_mask=None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True))
 
 
 def to_token_group(group: ScoredGroup) -> TokenGroup:
@@ -215,7 +231,16 @@ def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini
         behav_logprobs=torch.tensor([lp for s in samples for lp in s.behav_logprobs], dtype=torch.float32),
         versions=torch.tensor([s.weight_version for s in samples], dtype=torch.int64),
         replica=replica,
+        loss_mask=_loss_mask(samples),
     )
+
+
+def _loss_mask(samples: Sequence[Sample]) -> torch.Tensor | None:
+    """``[N]`` bool over the samples' response tokens, or None if no sample has a mask."""
+    if all(s.loss_mask is None for s in samples):
+        return None
+    masks = [s.loss_mask if s.loss_mask is not None else (1,) * len(s.response_ids) for s in samples]
+    return torch.tensor([m for mask in masks for m in mask], dtype=torch.bool)
 
 
 def split_group(group: ScoredGroup, token_budget: int) -> list[ScoredGroup]:

@@ -70,6 +70,8 @@ class PolicyTrainer:
     def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch):
         packed = mb.packed
         logp, mask = unpack_logprobs_padded(lp.policy, packed)
+        if mb.loss_mask is not None:  # multi-turn: observation tokens carry no loss term at all
+            mask = mask & pad_responses(mb.loss_mask, packed, pad_value=False)
         # One optimizer step per batch: every forward of the batch runs at θ_t, so the old policy
         # (and the recompute proximal of ppo_decoupled) is the detached policy, no extra forward.
         old = logp.detach() if lp.old_is_policy else pad_responses(lp.old, packed)
