@@ -57,6 +57,10 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size; divides the number of layers
     dp: int | None = None  # data-parallel size; None = world size / (tp × pp)
     distributed_optimizer: bool = False  # shard optimizer state across DP ranks (megatron)
+    # How long a rank may wait for the rest of the world, generation included: rank 0 for the
+    # pipeline's next group, every process group (torch, megatron, host gloo) for its peers
+    # (+30 s grace); past it every rank raises an error naming this key (parallel.world_timeout).
+    timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.world_timeout import current_group_timeout, group_timeout, group_timeout_minutes, set_timeout
 from megatron_rl.platform import Platform, setup_platform
 
 
@@ -54,8 +55,9 @@ def initialize_parallel(
     from megatron.core import parallel_state, tensor_parallel
 
     plat = setup_platform(platform)
+    set_timeout(timeout_s)  # parallel.timeout_s: every group below waits this (+ grace) at most
     if not dist.is_initialized():
-        _init_default_group(plat.dist_backend, timedelta(seconds=timeout_s))
+        _init_default_group(plat.dist_backend, group_timeout(timeout_s))
     world = dist.get_world_size()
     dp = check_world(world, tp, pp)
     if parallel_state.model_parallel_is_initialized():
@@ -65,7 +67,8 @@ def initialize_parallel(
         ) != (tp, pp):
             raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(distributed_timeout_minutes=group_timeout_minutes(timeout_s),
+                                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _build_host_groups(plat)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -95,7 +98,7 @@ def host_world_group():
         return dist.group.WORLD
     key = ("world", id(dist.group.WORLD))  # a new default group (tests re-initialise) gets its own
     if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo", timeout=current_group_timeout())
     return _HOST_GROUPS[key]
 
 
@@ -117,7 +120,8 @@ def _build_host_groups(plat: Platform) -> None:
         return
     everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(mp_group)), group=world)
-    _HOST_GROUPS["model_parallel"], _ = dist.new_subgroups_by_enumeration(sorted(set(everyone)), backend="gloo")
+    _HOST_GROUPS["model_parallel"], _ = dist.new_subgroups_by_enumeration(sorted(set(everyone)), backend="gloo",
+                                                                           timeout=current_group_timeout())
 
 
 def destroy_parallel() -> None:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.world_timeout import current_group_timeout
+
 _SIZE_TAG, _PAYLOAD_TAG = 71, 72
 
 
@@ -43,7 +45,7 @@ class DispatchChannel:
         self.leaders = replica_leaders()
         if self.leaders[0] != 0:
             raise RuntimeError(f"the leader of DP replica 0 must be global rank 0, got {self.leaders[0]}")
-        self.group = dist.new_group(ranks=self.leaders, backend="gloo")
+        self.group = dist.new_group(ranks=self.leaders, backend="gloo", timeout=current_group_timeout())
         self._pending: list[tuple[Any, torch.Tensor]] = []  # (work, buffer kept alive until sent)
 
     @property

@@ -8,6 +8,7 @@ ranks other than a replica's leader replay the leader's replica calls (``follow`
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
         raise
     finally:
         progress.close()
-        replica.stop_followers()
+        replica.stop_followers(failure=sys.exc_info()[1])  # a parallel.timeout_s expiry reaches every rank
         run.cleanup()
     return history
 

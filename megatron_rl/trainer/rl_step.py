@@ -10,11 +10,18 @@ the replicas through ``LeaderReplica``, which broadcasts each call to the other 
 replica before running it, and at DP > 1 sends it to the other replicas' leaders too
 (``data_parallel``; a micro-batch goes to the one replica it was routed to). The other ranks
 replay the calls with ``follow`` through the ``REPLICA_CALLS`` table of public ``Replica``
-methods until rank 0 says stop.
+methods until rank 0 says stop. A follower's wait for the next call is bounded by
+``parallel.timeout_s`` (``parallel.world_timeout``); when rank 0 itself gives up waiting for
+generation, it sends ``abort`` with its reason, and every follower raises it too.
+
+A micro-batch for another replica travels without its ``groups`` (the ``Sample`` records it was
+packed from): the replica trains on the packed tensors, advantages, behaviour log-probs and
+versions alone, so the tokens cross the wire once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -25,10 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models import DecoderSpec, save_hf_checkpoint
+from megatron_rl.parallel.world_timeout import WorldTimeout, current_timeout_s, follower_timeout
 from megatron_rl.pipeline import MicroBatch
 from megatron_rl.rollout.types import RolloutEngine
 from megatron_rl.trainer.checkpoint import RunState, finalize, staging_dir
 from megatron_rl.trainer.data_parallel import DispatchChannel
+from megatron_rl.trainer.engine_probe import EngineProbe, ProbeInput, measure_probe
 from megatron_rl.trainer.optimizer_state import save_optimizer_state
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
 from megatron_rl.trainer.policy_weights import PolicyWeights, stage_place
@@ -76,6 +85,8 @@ class Replica:
             scratch=self.snapshot_root, bucket_bytes=sync_bucket_mb << 20))
         self.stop = StopRequest()  # installed by the loop
         self.results: list[MiniBatchResult] = []
+        self.probe: EngineProbe | None = None  # the leader's engine probe, when on (set by trainer.setup)
+        self.probe_log: dict[str, float] = {}  # the last probe's metrics (trainer.engine_probe), until popped
         self.seconds = {"train": 0.0, "optimizer": 0.0, "weight_sync": 0.0}  # since the last pop_results()
         self.trainer.begin_batch()
 
@@ -106,6 +117,13 @@ class Replica:
             self.seconds[key] = self.seconds.get(key, 0.0) + value
         return version
 
+    def probe_engine(self, probe: ProbeInput) -> None:
+        """Compare the engines' scores of the probe with the policy's (``trainer.engine_probe``;
+        collective over the world, the mismatch alarm applied)."""
+        start = time.perf_counter()
+        self.probe_log = measure_probe(self.trainer, probe)
+        self.seconds["probe"] = self.seconds.get("probe", 0.0) + time.perf_counter() - start + probe.engine_s
+
     def save(self, path: str) -> None:
         """Write this rank's share of a checkpoint into ``path``'s staging directory: weights and
         optimizer state per HF parameter, so any layout can resume it (collective over the world)."""
@@ -126,7 +144,8 @@ class Replica:
 
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
         """The optimizer steps and the seconds spent per phase since the last call."""
-        out, seconds = self.results, self.seconds
+        out, seconds = self.results, self.seconds | self.probe_log
+        self.probe_log = {}
         self.results, self.seconds = [], dict.fromkeys(seconds, 0.0)
         return out, seconds
 
@@ -134,7 +153,8 @@ class Replica:
 # What followers may be asked to run: public Replica methods only.
 REPLICA_CALLS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save, Replica.poll_stop)
+    for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save, Replica.poll_stop,
+              Replica.probe_engine)
 }
 
 
@@ -146,18 +166,25 @@ class LeaderReplica:
         self.replica, self.channel, self.dispatch = replica, replica.channel, replica.dispatch
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
+        if self.replica.probe is not None:
+            self.replica.probe.remember(mb)
         if mb.replica == 0:
             self._call("train_micro_batch", mb, remote=False)
         elif self.dispatch is None:
             raise RuntimeError(f"micro-batch routed to replica {mb.replica} in a run without data parallelism")
         else:
-            self.dispatch.send(mb.replica, ("train_micro_batch", (mb,)))
+            self.dispatch.send(mb.replica, ("train_micro_batch", (shipped(mb),)))
 
     def optimizer_step(self) -> None:
         self._call("optimizer_step")
 
     def sync_weights(self, version: int) -> int:
-        return self._call("sync_weights", version)
+        """Sync every replica's policy to the engines as ``version``, then probe the engines at it."""
+        self._call("sync_weights", version)
+        probe = self.replica.probe.request(version) if self.replica.probe is not None else None
+        if probe is not None:
+            self._call("probe_engine", probe)
+        return version
 
     def save_checkpoint(self, path: str | Path, state: RunState) -> Path:
         """Write a resumable checkpoint at ``path`` (collective over the world); see ``checkpoint``."""
@@ -171,10 +198,13 @@ class LeaderReplica:
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
         return self.replica.pop_results()
 
-    def stop_followers(self) -> None:
-        self.channel.send(("stop", ()))
+    def stop_followers(self, failure: BaseException | None = None) -> None:
+        """Release the other ranks: ``stop``, or ``abort`` with the reason when ``failure`` is a
+        ``WorldTimeout`` (each of them then raises it as well)."""
+        message = ("abort", (str(failure),)) if isinstance(failure, WorldTimeout) else ("stop", ())
+        self.channel.send(message)
         if self.dispatch is not None:
-            self.dispatch.send_all(("stop", ()))
+            self.dispatch.send_all(message)
             self.dispatch.flush()
 
     def _call(self, name: str, *args: Any, remote: bool = True) -> Any:
@@ -189,11 +219,27 @@ def follow(replica: Replica) -> None:
     replica receives them from rank 0 (``data_parallel``) and relays them to its own ranks."""
     inbox = replica.dispatch if replica.channel.is_leader else None
     while True:
-        name, args = inbox.recv() if inbox is not None else replica.channel.recv()
+        name, args = _next_call(replica, inbox)
         if inbox is not None:
             replica.channel.send((name, args))
         if name == "stop":
             return
+        if name == "abort":
+            raise WorldTimeout(f"rank {dist.get_rank()}: rank 0 ended the run: {args[0]}")
         if name not in REPLICA_CALLS:
             raise RuntimeError(f"unknown replica call {name!r}")
         REPLICA_CALLS[name](replica, *args)
+
+
+def _next_call(replica: Replica, inbox: DispatchChannel | None) -> tuple[str, Any]:
+    """The next call from rank 0 (through this replica's leader); ``WorldTimeout`` naming
+    ``parallel.timeout_s`` when the wait expires or rank 0 is gone."""
+    try:
+        return inbox.recv() if inbox is not None else replica.channel.recv()
+    except RuntimeError as err:  # gloo: the group's timeout expired, or a peer closed its connection
+        raise follower_timeout(dist.get_rank(), current_timeout_s(), "the next call from rank 0", err) from err
+
+
+def shipped(mb: MicroBatch) -> MicroBatch:
+    """``mb`` as it is sent to another replica: everything training reads, without ``groups``."""
+    return dataclasses.replace(mb, groups=())

@@ -63,7 +63,8 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
               replay: str | None = None) -> Run:
     """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``; with
     ``replay`` (a ``rollout.record`` file) the pipeline replays it and no engine starts."""
-    _, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed, platform=platform)
+    _, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed,
+        timeout_s=cfg.parallel.timeout_s, platform=platform)
     validate_world(cfg, layout.world_size)
     resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
     policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
