@@ -39,7 +39,6 @@ from megatron_rl.config.schema import PipelineConfig, SamplingConfig, TrainerCon
 from megatron_rl.config.sections import require_valid
 from megatron_rl.control import GroupSizeController
 from megatron_rl.parallel.world_timeout import generation_timeout
-from megatron_rl.parallel.world_timeout import generation_timeout
 from megatron_rl.pipeline.batching import StepBatch
 from megatron_rl.pipeline.multiturn import MultiTurnProducer, multiturn_metrics
 from megatron_rl.pipeline.producer import Detokenize, GroupScoring, Producer, PromptSource, RewardCallable
@@ -68,7 +67,6 @@ class PipelineSettings(PipelineConfig):
     flush_when_idle: bool = True  # periodic/stale: train a partial micro-batch rather than wait
     poll_s: float = 0.05  # how often blocked threads re-check stop / failure
     join_timeout_s: float = 10.0  # how long close() waits for the producer thread
-    world_timeout_s: float | None = None  # parallel.timeout_s: the longest wait for the next item; None: no limit
     world_timeout_s: float | None = None  # parallel.timeout_s: the longest wait for the next item; None: no limit
     # The producer thread shares the interpreter with the training thread, whose Python-level
     # work holds the GIL; with CPython's default 5 ms switch interval every hand-off can keep
@@ -261,9 +259,6 @@ class Pipeline:
                 except queue.Empty:
                     if not self._producer.is_alive():
                         return self._last_item()
-                    limit = self.settings.world_timeout_s
-                    if limit is not None and time.monotonic() - t0 > limit:
-                        raise generation_timeout(limit, time.monotonic() - t0, "the pipeline's next group") from None
                     limit = self.settings.world_timeout_s
                     if limit is not None and time.monotonic() - t0 > limit:
                         raise generation_timeout(limit, time.monotonic() - t0, "the pipeline's next group") from None
