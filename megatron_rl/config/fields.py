@@ -38,7 +38,7 @@ POSITIVE = (
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
     "algorithm.overlong.buffer", "algorithm.overlong.penalty", "algorithm.kl.coef",
-    "algorithm.entropy_coef", "rollout.max_restarts", "reward.workers", "reward.workers", "control.sagc.seed",
+    "algorithm.entropy_coef", "rollout.max_restarts", "reward.workers", "control.sagc.seed",
     "algorithm.rollout_correction.delta", "algorithm.mismatch_alarm.logprob_abs_diff_mean",
     "algorithm.mismatch_alarm.logprob_abs_diff_max", "algorithm.mismatch_alarm.kl_k3",
     "algorithm.mismatch_alarm.seq_ratio_max", "algorithm.mismatch_alarm.masked_fraction",

@@ -270,9 +270,6 @@ class RewardConfig:
     # Processes scoring rewards in parallel, off the producer thread (a hung call's process is
     # killed and replaced); 0 = in the producer thread, one call at a time.
     workers: int = 0
-    # Processes scoring rewards in parallel, off the producer thread (a hung call's process is
-    # killed and replaced); 0 = in the producer thread, one call at a time.
-    workers: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
