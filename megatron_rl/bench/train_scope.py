@@ -4,9 +4,11 @@ groups with set prompt / response length distributions.
 The groups go through the real data path: ``Sample`` records scored by the config's
 ``GroupScoring`` into ``ScoredGroup``s, queued as ``BatchStart`` / groups / ``BatchEnd`` and cut by
 the pipeline's ``StepBatch`` into mini- and micro-batches (shared-prompt packing, token budget,
-group splitting), then trained by the replica exactly as the loop does: micro-steps, one optimizer
-step per mini-batch, weight sync (the snapshot or broadcast export, with no engine to receive it).
-Token counts are read back from the packed micro-batches that were trained.
+group splitting, routing to data-parallel replicas), then trained by the run training builds
+(``trainer.setup.build_replica``) through the loop's own ``run_step``: micro-steps, one optimizer
+step per mini-batch, weight sync (the configured sender, with no engine to receive it). At DP > 1
+rank 0 dispatches each micro-batch to the replica it is routed to, as in training. Token counts
+are read back from the packed micro-batches that were trained.
 """
 
 from __future__ import annotations
@@ -14,23 +16,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms import MismatchAlarm
 from megatron_rl.bench.flops import GroupShape, training_flops
 from megatron_rl.bench.lengths import LengthDist
 from megatron_rl.bench.options import BenchOptions, peak_memory, resolve_peak
 from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate
-from megatron_rl.config import Config, config_to_dict, validate_world
+from megatron_rl.config import Config, config_to_dict
 from megatron_rl.pipeline import BatchEnd, BatchStart, MicroBatch, Sample, StepBatch, score_group
 from megatron_rl.trainer import from_config
-from megatron_rl.trainer.build import DTYPES, build_policy_trainer
+from megatron_rl.trainer.build import DTYPES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +71,55 @@ class SyntheticGroups:
                    seed=opts.seed)
 
 
+class SyntheticSteps:
+    """The pipeline of the train scope: ``begin_step`` cuts step ``s``'s synthetic groups, scored
+    by the config's ``GroupScoring``, into the training ``StepBatch`` (the whole batch queued:
+    the sync cut), routed over ``replicas`` data-parallel replicas as training routes them."""
+
+    def __init__(self, cfg: Config, groups: SyntheticGroups, *, replicas: int = 1) -> None:
+        self.cfg, self.groups, self.replicas, self.step = cfg, groups, replicas, 0
+        self.items: list = []
+
+    def prepare(self) -> None:
+        """Make and score the next step's groups (outside the measured step, as the producer would)."""
+        self.items = queue_items(self.cfg, self.groups, self.step)
+
+    def begin_step(self) -> StepBatch:
+        """The next step's batch (``prepare`` first)."""
+        queue = collections.deque(self.items)
+        return StepBatch(start=queue.popleft(), policy_version=self.step,
+                         num_mini_batches=self.cfg.trainer.mini_batches,
+                         token_budget=self.cfg.pipeline.micro_batch_tokens, streamed=False, flush_when_idle=False,
+                         pop=queue.popleft, queue_empty=lambda: not queue, replicas=self.replicas)
+
+    def complete(self, batch: StepBatch, version: int) -> int:
+        """The step is done (nothing to publish: no engine)."""
+        self.step += 1
+        return version
+
+
+class ShapeRecorder:
+    """``LeaderReplica`` calls passed through; records the groups of every micro-batch trained,
+    on whichever replica it was routed to."""
+
+    def __init__(self, leader) -> None:
+        self.leader, self.shapes = leader, []
+
+    def train_micro_batch(self, mb: MicroBatch) -> None:
+        self.shapes += trained_shapes(mb)
+        self.leader.train_micro_batch(mb)
+
+    def optimizer_step(self) -> None:
+        self.leader.optimizer_step()
+
+    def sync_weights(self, version: int) -> int:
+        return self.leader.sync_weights(version)
+
+    def pop_shapes(self) -> tuple[GroupShape, ...]:
+        out, self.shapes = tuple(self.shapes), []
+        return out
+
+
 def queue_items(cfg: Config, groups: SyntheticGroups, step: int) -> list:
     """The queue of one step as the producer would fill it: start marker, scored groups, end marker."""
     scoring = from_config.group_scoring(cfg)
@@ -94,71 +142,45 @@ def trained_shapes(mb: MicroBatch) -> list[GroupShape]:
 
 
 def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
-    """Build the trainer, train ``warmup + steps`` synthetic steps; the result on global rank 0 (else None)."""
-    from megatron_rl.parallel.state import initialize_parallel
-    from megatron_rl.trainer.rl_step import LeaderReplica, Replica, ReplicaChannel, follow
+    """Build the run as training does (``trainer.setup``), train ``warmup + steps`` synthetic steps
+    with the loop's ``run_step``; the result on global rank 0 (else None)."""
+    from megatron_rl.trainer.loop import run_step
+    from megatron_rl.trainer.rl_step import LeaderReplica, follow
+    from megatron_rl.trainer.setup import build_replica, start_world
 
-    plat, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed,
-                                       platform=opts.platform)
-    validate_world(cfg, layout.world_size)
-    settings = from_config.trainer_settings(cfg)
-    # The synthetic behaviour log-probs are not a real engine's: the mismatch gate would only cry wolf.
-    quiet = dataclasses.replace(settings.loss, mismatch_alarm=MismatchAlarm(kl_k3=None))
-    trainer, policy, spec = build_policy_trainer(dataclasses.replace(settings, loss=quiet))
-    snapshots = _snapshot_root()
-    replica = Replica(trainer, policy, spec, engine=None, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
-                      channel=ReplicaChannel(), weight_sync=cfg.rollout.weight_sync)
-    if not replica.channel.is_leader:
+    plat, layout = start_world(cfg, opts.platform)
+    replica = build_replica(_quiet(cfg), layout)
+    if dist.get_rank() != 0:  # the followers of rank 0, at DP > 1 through the training dispatch
         follow(replica)
+        _remove(replica.snapshot_root)
         return None
-    # Every DP replica trains the same synthetic batch; global rank 0 reports for its replica.
-    leader, groups = LeaderReplica(replica), SyntheticGroups.from_config(cfg, opts, spec.vocab_size)
-    frozen = len(trainer.trimodel.plan.active) - 1
-    measured = []
+    leader, spec = ShapeRecorder(LeaderReplica(replica)), replica.spec
+    steps = SyntheticSteps(cfg, SyntheticGroups.from_config(cfg, opts, spec.vocab_size), replicas=layout.dp)
+    frozen, measured = len(replica.trainer.trimodel.plan.active) - 1, []
     try:
-        for step in range(opts.warmup + opts.steps):
-            m = _train_step(cfg, leader, queue_items(cfg, groups, step), step)
-            measured.append(dataclasses.replace(m, flops=training_flops(spec, m.groups, frozen_forwards=frozen)))
+        for _ in range(opts.warmup + opts.steps):
+            steps.prepare()
+            _, step_s = run_step(steps, leader)
+            shapes, (_, seconds) = leader.pop_shapes(), replica.pop_results()
+            measured.append(StepMeasure(step_s=step_s, phases=seconds, groups=shapes,
+                                        flops=training_flops(spec, shapes, frozen_forwards=frozen)))
     finally:
-        leader.stop_followers()
-        _remove(snapshots)
+        leader.leader.stop_followers()
+        _remove(replica.snapshot_root)
     world = {"platform": plat.device_type, "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "dp": layout.dp, "engines": 0}
-    if dist.get_rank() != 0:
-        return None
     peak = resolve_peak(opts, plat.device_type, DTYPES[cfg.model.dtype])
-    replica_devices = layout.tp * layout.pp
-    return aggregate(measured[opts.warmup:], scope="train", warmup=opts.warmup, devices=replica_devices,
-                     train_devices=replica_devices, peak=peak,
-                     memory=peak_memory(plat.device_type), world=world, config=config_to_dict(cfg),
-                     extra={"frozen_forwards": float(frozen)})
+    return aggregate(measured[opts.warmup:], scope="train", warmup=opts.warmup, devices=layout.world_size,
+                     train_devices=layout.world_size, peak=peak, memory=peak_memory(plat.device_type), world=world,
+                     config=config_to_dict(cfg), extra={"frozen_forwards": float(frozen)})
 
 
-def _train_step(cfg: Config, leader, items: list, step: int) -> StepMeasure:
-    """One step through ``StepBatch`` (sync cut: the whole batch is queued already)."""
-    queue = collections.deque(items)
-    start = time.perf_counter()
-    batch = StepBatch(start=queue.popleft(), policy_version=step, num_mini_batches=cfg.trainer.mini_batches,
-                      token_budget=cfg.pipeline.micro_batch_tokens, streamed=False, flush_when_idle=False,
-                      pop=queue.popleft, queue_empty=lambda: not queue)
-    shapes: list[GroupShape] = []
-    for mini_batch in batch.mini_batches():
-        for micro_batch in mini_batch:
-            shapes += trained_shapes(micro_batch)
-            leader.train_micro_batch(micro_batch)
-        leader.optimizer_step()
-    leader.sync_weights(step + 1)
-    step_s = time.perf_counter() - start
-    _, seconds = leader.pop_results()
-    return StepMeasure(step_s=step_s, phases=seconds, groups=tuple(shapes))
-
-
-def _snapshot_root() -> Path:
-    """A weight-snapshot directory (shared memory when present), the same path on every rank."""
-    base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    box = [tempfile.mkdtemp(prefix="megatron_rl-bench-", dir=base) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+def _quiet(cfg: Config) -> Config:
+    """``cfg`` without the mismatch alarm's KL gate: the synthetic behaviour log-probs are not a
+    real engine's, the gate would only cry wolf."""
+    a = cfg.algorithm
+    alarm = dataclasses.replace(a.mismatch_alarm, kl_k3=None)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(a, mismatch_alarm=alarm))
 
 
 def _remove(path: Path) -> None:

@@ -24,7 +24,7 @@ from megatron_rl.plan.memory import (
     estimate_memory,
     with_changes,
 )
-from megatron_rl.trimodel.plan import TriModelPlan, plan_trimodel
+from megatron_rl.trimodel.plan import TriModelPlan
 
 AUTO_BACKEND = {"npu": "npu", "cuda": "triton", "cpu": "split"}  # attention.backend auto, by device kind
 BACKEND_KIND = {"npu": "npu", "triton": "cuda"}  # backends bound to one device kind
@@ -83,20 +83,19 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
         distributed_optimizer=cfg.parallel.distributed_optimizer, attention_backend=backend,
         recompute=str(cfg.model.megatron.get("recompute_granularity") or "none"), micro_batch=micro_batch_shape(cfg),
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, entropy=cfg.algorithm.entropy_coef > 0,
-        logprob_chunk_tokens=getattr(cfg.trainer, "logprob_chunk_tokens", None))  # None: before chunked log-probs
+        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens)
 
 
 def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | DeviceSpec) -> Plan:
     """The plan of `cfg` on `nodes` × `devices_per_node` devices of kind `device`."""
-    from megatron_rl.trainer.from_config import loss_settings
+    from megatron_rl.trainer.from_config import trimodel_plan
 
     spec_dev = device if isinstance(device, DeviceSpec) else device_spec(device)
     hf = read_hf_config(cfg.model.hf_path)
     spec = decoder_spec_from_hf(hf.get("text_config", hf))
     dims = ModelDims.from_spec(spec)
     layout = plan_layout(cfg, nodes=nodes, devices_per_node=devices_per_node)
-    trimodel = plan_trimodel(loss_settings(cfg), optimizer_steps_per_batch=cfg.trainer.mini_batches,
-                             offload_old=cfg.trainer.offload_old, offload_ref=cfg.trainer.offload_reference)
+    trimodel = trimodel_plan(cfg)  # the trainer's own choice
     settings = memory_settings(cfg, layout, spec_dev, trimodel)
     stages = tuple(estimate_memory(dims, settings))
     plan = Plan(layout=layout, device=spec_dev, dims=dims, model_type=spec.model_type, settings=settings,

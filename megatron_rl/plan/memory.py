@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size
+from megatron_rl.trimodel.logprobs import head_is_chunked
 
 FLASH_BACKENDS = ("npu", "triton", "flex")  # save q, k, v, out and the log-sum-exp only
 RECOMPUTE = ("none", "selective", "full")
@@ -231,7 +232,8 @@ def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     small = n * 17 + vocab  # targets, masks
     if chunk is None:  # logits of all T positions, then the N rows reduced at once
         return n * per_row + small, s.micro_batch.tokens * vocab * b + 2 * n * vocab * 4
-    if n <= chunk:  # one pass: its fp32 softmax stays for the backward; logits + one fp32 copy pass through
+    if not head_is_chunked(n, chunk):  # the trainer's rule (trimodel.logprobs)
+        # one pass: its fp32 softmax stays for the backward; logits + one fp32 copy pass through
         return n * dims.hidden * b + small + n * per_row, n * vocab * (b + 4)
     # checkpointed chunks: only the head inputs stay; a chunk's logits and two fp32 copies live at once
     # (in the forward, and again when the backward rebuilds that chunk)

@@ -12,7 +12,7 @@ from megatron_rl.config.schema import AlgorithmConfig, AttentionConfig, ModelCon
 from megatron_rl.models import DecoderSpec, load_model_from_hf
 from megatron_rl.trainer.optim import wrap_for_training
 from megatron_rl.trainer.policy_step import PolicyTrainer
-from megatron_rl.trimodel import TriModel, load_frozen_copies, plan_trimodel
+from megatron_rl.trimodel import TriModel, TriModelPlan, load_frozen_copies, plan_trimodel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch
 
@@ -43,8 +43,7 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
              "megatron_overrides": dict(m.megatron) or None}
     policy, spec = load_model_from_hf(settings.hf_path, **build)
     ddp, optimizer = wrap_for_training(policy, t, distributed_optimizer=settings.parallel.distributed_optimizer)
-    plan = plan_trimodel(settings.loss, optimizer_steps_per_batch=t.mini_batches,
-                         offload_old=t.offload_old, offload_ref=t.offload_reference)
+    plan = trimodel_plan(settings.loss, t)
     old, ref = load_frozen_copies(plan, policy_path=Path(settings.hf_path), ref_path=settings.ref_path, **build)
     trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
                         temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0,
@@ -52,3 +51,10 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
     trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss,
                             shared_prompt=settings.attention.shared_prompt)
     return trainer, policy, spec
+
+
+def trimodel_plan(loss: LossSettings, trainer: TrainerConfig) -> TriModelPlan:
+    """Which copies the tri-model runs and where they live, for ``loss`` and the ``trainer`` section
+    (what training builds, what ``bench`` counts and what ``plan`` sizes)."""
+    return plan_trimodel(loss, optimizer_steps_per_batch=trainer.mini_batches, offload_old=trainer.offload_old,
+                         offload_ref=trainer.offload_reference)

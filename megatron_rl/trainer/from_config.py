@@ -6,6 +6,7 @@ objects, built here.
 
 from __future__ import annotations
 
+
 from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrection
 from megatron_rl.config import Config
 from megatron_rl.control import SAGCSettings
@@ -14,7 +15,9 @@ from megatron_rl.data.prompts import DataReport
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
 from megatron_rl.rewards import GuardedReward, load_guarded_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings
+from megatron_rl.trainer import build
 from megatron_rl.trainer.build import TrainerSettings
+from megatron_rl.trimodel import TriModelPlan
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -32,6 +35,11 @@ def loss_settings(cfg: Config) -> LossSettings:
         correction=RolloutCorrection(**vars(a.rollout_correction)),
         mismatch_alarm=MismatchAlarm(**vars(a.mismatch_alarm)),
     )
+
+
+def trimodel_plan(cfg: Config) -> TriModelPlan:
+    """Which copies the trainer of ``cfg`` runs and where they live (``build.trimodel_plan``)."""
+    return build.trimodel_plan(loss_settings(cfg), cfg.trainer)
 
 
 def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerSettings:

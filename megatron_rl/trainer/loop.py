@@ -20,7 +20,7 @@ from megatron_rl.trainer.checkpoint import RunState
 from megatron_rl.trainer.metrics import EngineBusy, count_devices, format_step, step_metrics
 from megatron_rl.trainer.progress import Progress
 from megatron_rl.trainer.rl_step import LeaderReplica, follow
-from megatron_rl.trainer.setup import EngineFactory, build_run
+from megatron_rl.trainer.setup import EngineFactory, Run, build_run
 from megatron_rl.trainer.stop import NonFiniteGuard
 
 
@@ -40,28 +40,12 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
         run.cleanup()
         return []
     replica, pipeline, history = LeaderReplica(run.replica), run.pipeline, []
-    nonfinite, checkpoints = NonFiniteGuard(cfg.trainer.max_nonfinite_steps), Checkpoints(cfg, replica)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    devices = count_devices(world, cfg.rollout.devices, cfg.rollout.num_engines)
-    progress, engine_busy = Progress(cfg, first_step=run.first_step), EngineBusy(run.replica.engine)
+    checkpoints, report = Checkpoints(cfg, replica), StepReport(cfg, run)
     try:
         with pipeline:
             for step in range(run.first_step, cfg.trainer.steps):
-                start = time.perf_counter()
-                batch = pipeline.begin_step()
-                for mini_batch in batch.mini_batches():
-                    for micro_batch in mini_batch:
-                        replica.train_micro_batch(micro_batch)
-                    replica.optimizer_step()
-                version = replica.sync_weights(batch.policy_version + 1)
-                summary = pipeline.complete(batch, version)
-                metrics = step_metrics(summary, *replica.pop_results(), step_s=time.perf_counter() - start,
-                                       memory=run.replica.trainer.trimodel.memory_report(), devices=devices)
-                metrics.update(engine_busy.step(metrics["time/step_s"]))
-                run.logger.log(step, metrics)
-                history.append(metrics)
-                progress.step(format_step(step, metrics), metrics)
-                nonfinite.check(step, metrics["train/nonfinite_steps"])
+                summary, step_s = run_step(pipeline, replica)
+                history.append(report.after_step(step, summary, *replica.pop_results(), step_s=step_s))
                 stop = replica.poll_stop()
                 checkpoints.after_step(summary, stopping=stop)
                 if stop:
@@ -70,10 +54,51 @@ def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory 
         checkpoints.after_failure()  # the engines or the producer failed: keep what was trained
         raise
     finally:
-        progress.close()
+        report.close()
         replica.stop_followers(failure=sys.exc_info()[1])  # a parallel.timeout_s expiry reaches every rank
         run.cleanup()
     return history
+
+
+def run_step(pipeline, replica) -> tuple[BatchSummary, float]:
+    """One step as every run makes it (training, ``--rollout-only``, ``bench``): the step's batch
+    as its groups arrive, each micro-batch trained, one optimizer step per mini-batch, the new
+    policy synced to the engines as the next version, the step completed. ``pipeline``: a
+    ``Pipeline`` (or anything with its ``begin_step`` / ``complete``); ``replica``: the
+    ``LeaderReplica`` calls. Returns the step's summary and its seconds."""
+    start = time.perf_counter()
+    batch = pipeline.begin_step()
+    for mini_batch in batch.mini_batches():
+        for micro_batch in mini_batch:
+            replica.train_micro_batch(micro_batch)
+        replica.optimizer_step()
+    version = replica.sync_weights(batch.policy_version + 1)
+    return pipeline.complete(batch, version), time.perf_counter() - start
+
+
+class StepReport:
+    """The leader's per-step metrics: computed, logged, shown on the progress line and checked
+    for too many non-finite steps in a row (``trainer.max_nonfinite_steps``)."""
+
+    def __init__(self, cfg: Config, run: Run) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.devices = count_devices(world, cfg.rollout.devices, cfg.rollout.num_engines)
+        self.progress, self.engine_busy = Progress(cfg, first_step=run.first_step), EngineBusy(run.replica.engine)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+        self.logger, self.trimodel = run.logger, run.replica.trainer.trimodel
+
+    def after_step(self, step: int, summary: BatchSummary, results, seconds, *, step_s: float) -> dict:
+        """The metrics of ``step`` (logged and shown); raises after too many non-finite steps."""
+        metrics = step_metrics(summary, results, seconds, step_s=step_s, memory=self.trimodel.memory_report(),
+                               devices=self.devices)
+        metrics.update(self.engine_busy.step(metrics["time/step_s"]))
+        self.logger.log(step, metrics)
+        self.progress.step(format_step(step, metrics), metrics)
+        self.nonfinite.check(step, metrics["train/nonfinite_steps"])
+        return metrics
+
+    def close(self) -> None:
+        self.progress.close()
 
 
 class Checkpoints:

@@ -22,9 +22,10 @@ from megatron_rl.config import Config, ConfigError, validate_world
 from megatron_rl.config.errors import Problem
 from megatron_rl.control import GroupSizeController, load_controller
 from megatron_rl.data import PromptStream
-from megatron_rl.parallel.state import initialize_parallel
+from megatron_rl.parallel.state import ParallelLayout, initialize_parallel
 from megatron_rl.pipeline import Pipeline
 from megatron_rl.pipeline.recording import NullEngine
+from megatron_rl.platform import Platform
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
@@ -63,35 +64,65 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
               replay: str | None = None) -> Run:
     """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``; with
     ``replay`` (a ``rollout.record`` file) the pipeline replays it and no engine starts."""
-    _, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed,
-        timeout_s=cfg.parallel.timeout_s, platform=platform)
-    validate_world(cfg, layout.world_size)
+    _, layout = start_world(cfg, platform)
     resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
-    policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
-    trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
-    if resume and is_resharding_checkpoint(Path(cfg.trainer.resume_from) / "optimizer"):
-        load_optimizer_state(trainer.optimizer, policy, spec, Path(cfg.trainer.resume_from) / "optimizer")
-    elif resume:  # per-rank files of an older checkpoint: the same layout only
-        load_optimizer(trainer.optimizer, cfg.trainer.resume_from)
-    channel, dispatch = ReplicaChannel(), DispatchChannel() if layout.dp > 1 else None
-    snapshots = _shared_snapshot_root()
-    engine, driver = None, dist.get_rank() == 0
-    if driver:
-        engine = NullEngine() if replay else (engine_factory or build_engine)(
-            from_config.engine_settings(cfg, model_path=policy_path))
-    replica = Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
-                      channel=channel, weight_sync=cfg.rollout.weight_sync,
-                      sync_bucket_mb=cfg.rollout.sync_bucket_mb, dispatch=dispatch)
+
+    def engines(model_path: str) -> RolloutEngine:
+        return NullEngine() if replay else build_engines(cfg, engine_factory, model_path=model_path)
+
+    replica = build_replica(cfg, layout, engine_for=engines, resume=resume)
     first = resume.step if resume else 0
-    if not driver:
-        return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=snapshots)
+    if dist.get_rank() != 0:
+        return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=replica.snapshot_root)
     if replay:
-        pipeline = Pipeline.replaying(replay, engine=engine, settings=from_config.pipeline_settings(cfg),
+        pipeline = Pipeline.replaying(replay, engine=replica.engine, settings=from_config.pipeline_settings(cfg),
                                       num_steps=cfg.trainer.steps - first, start_step=first, replicas=layout.dp)
     else:
-        pipeline = build_pipeline(cfg, engine, resume, replicas=layout.dp)
+        pipeline = build_pipeline(cfg, replica.engine, resume, replicas=layout.dp)
     return Run(replica=replica, first_step=first, pipeline=pipeline, logger=MetricsLogger(cfg.trainer.log_dir),
-               snapshot_root=snapshots)
+               snapshot_root=replica.snapshot_root)
+
+
+def start_world(cfg: Config, platform: str = "auto") -> tuple[Platform, ParallelLayout]:
+    """Initialise the platform and the parallel state for ``cfg`` and check the world fits it."""
+    plat, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed,
+                                       timeout_s=cfg.parallel.timeout_s, platform=platform)
+    validate_world(cfg, layout.world_size)
+    return plat, layout
+
+
+def build_engines(cfg: Config, engine_factory: EngineFactory | None = None, *,
+                  model_path: str | None = None) -> RolloutEngine:
+    """The engine pool of ``rollout`` (``engine_factory`` replaces ``rollout.build_engine``),
+    starting from ``model_path`` (default ``model.hf_path``)."""
+    return (engine_factory or build_engine)(from_config.engine_settings(cfg, model_path=model_path))
+
+
+def build_replica(cfg: Config, layout: ParallelLayout, *,
+                  engine_for: Callable[[str], RolloutEngine | None] = lambda _: None,
+                  resume: RunState | None = None) -> Replica:
+    """This rank's ``Replica`` of ``cfg``'s policy (resumed from ``resume``'s checkpoint when given):
+    trainer, weight sender, replica channel and, at DP > 1, the dispatch channel of rank 0.
+    ``engine_for(policy_path)`` builds the engines, on global rank 0 only. Collective."""
+    policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
+    trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
+    if resume:
+        _load_optimizer(trainer, policy, spec, cfg.trainer.resume_from)
+    channel, dispatch = ReplicaChannel(), DispatchChannel() if layout.dp > 1 else None
+    snapshots = _shared_snapshot_root()
+    engine = engine_for(policy_path) if dist.get_rank() == 0 else None
+    return Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
+                   channel=channel, weight_sync=cfg.rollout.weight_sync,
+                   sync_bucket_mb=cfg.rollout.sync_bucket_mb, dispatch=dispatch)
+
+
+def _load_optimizer(trainer, policy, spec, checkpoint: str) -> None:
+    """The optimizer state of ``checkpoint``: per HF parameter (any layout), or an older
+    checkpoint's per-rank files (the same layout only)."""
+    if is_resharding_checkpoint(Path(checkpoint) / "optimizer"):
+        load_optimizer_state(trainer.optimizer, policy, spec, Path(checkpoint) / "optimizer")
+    else:
+        load_optimizer(trainer.optimizer, checkpoint)
 
 
 def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeController:
@@ -124,13 +155,15 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     if resume and resume.prompt_stream:
         stream.load_state_dict(resume.prompt_stream)
     start, reward = (resume.step if resume else 0), from_config.reward_fn(cfg)
+    sampling = from_config.sampling_settings(cfg, tokenizer)
     return Pipeline(
         engine=engine, prompts=stream, reward_fn=reward,
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        controller=build_controller(cfg, resume), sampling=from_config.sampling_settings(cfg, tokenizer),
+        controller=build_controller(cfg, resume), sampling=sampling,
         scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
         num_steps=cfg.trainer.steps - start, start_step=start, record=cfg.rollout.record,
         extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()}, replicas=replicas,
+        multiturn=from_config.multiturn_rollout(cfg, tokenizer, sampling),
     )
 
 

@@ -29,14 +29,20 @@ def hidden_states_only(gpt_model: torch.nn.Module) -> Iterator[None]:
         gpt_model.post_process = True
 
 
+def head_is_chunked(n: int, chunk_tokens: int) -> bool:
+    """Whether the head scores ``n`` positions in chunks of ``chunk_tokens`` (checkpointed under
+    autograd) rather than in one pass (the rule ``plan`` sizes memory by)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return n > chunk_tokens
+
+
 def head_logprobs(
     gpt_model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float,
     with_entropy: bool, chunk_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden [N, h]`` (final-norm states of the positions to score), ``targets [N]`` ->
     (log-probs [N] fp32, entropy [N] fp32 or None), through ``gpt_model``'s output layer."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     weight = gpt_model.shared_embedding_or_output_weight() if gpt_model.share_embeddings_and_output_weights else None
     dtype = weight.dtype if weight is not None else gpt_model.output_layer.weight.dtype
 
@@ -49,7 +55,7 @@ def head_logprobs(
         return lp, vocab_parallel_entropy(logits, vocab_size=vocab_size, temperature=temperature)
 
     n = hidden.shape[0]
-    if n <= chunk_tokens:
+    if not head_is_chunked(n, chunk_tokens):
         parts = [score(hidden, targets)]
     else:
         recompute = torch.is_grad_enabled() and hidden.requires_grad
