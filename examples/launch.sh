@@ -9,6 +9,8 @@
 # overrides this node's count. `python -m megatron_rl plan CONFIG --nodes N --devices-per-node D
 # --device KIND` prints the layout. ROLLOUT_DEVICES, PLATFORM, SOCKET_IFNAME, NODE_IP: see
 # examples/platform_env.sh.
+# MAX_RESTARTS=N: torchrun restarts the whole world up to N times when a rank dies (OOM, a lost node);
+# with trainer.resume_from=auto each restart continues from save_dir's last complete checkpoint.
 # MEGATRON_RL_DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
@@ -31,4 +33,5 @@ else
               --master_port "$MASTER_PORT")
 fi
 run_or_print "${PY:-.venv/bin/python}" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \
+  --max-restarts "${MAX_RESTARTS:-0}" \
   -m megatron_rl train "$CONFIG" --platform "$PLATFORM" "${ROLLOUT_OVERRIDES[@]}" "$@"

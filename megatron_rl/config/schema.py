@@ -305,7 +305,9 @@ class TrainerConfig:
     seed: int = 1234  # model/optimizer RNG seed
     save_dir: str | None = None  # checkpoint dir; None = no checkpoints
     save_every: int = 0  # save every N steps (0 = only at the end, if save_dir is set)
-    resume_from: str | None = None  # a checkpoint dir written by save_dir (<save_dir>/step_N) to continue from
+    # A checkpoint dir written by save_dir (<save_dir>/step_N) to continue from; "auto": the last
+    # complete one in save_dir, or a fresh start if there is none (a restarted world: launchers' --max-restarts)
+    resume_from: str | None = None
     log_dir: str | None = None  # metrics dir (jsonl); None = stdout only
     offload_reference: bool = False  # keep the reference model on CPU between uses
     offload_old: bool = False  # keep the old-policy snapshot on CPU between uses

@@ -258,6 +258,8 @@ def _trainer(t: Any) -> Found:
         yield "trainer.mini_batches", f"{t.mini_batches} does not divide {ppb}"
     if t.save_every > 0 and t.save_dir is None:
         yield "trainer.save_every", f"{t.save_every} > 0 needs trainer.save_dir"
+    if t.resume_from == "auto" and t.save_dir is None:
+        yield "trainer.resume_from", "'auto' (continue from the last complete checkpoint) needs trainer.save_dir"
 
 
 def _model(m: Any) -> Found:

@@ -25,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -177,6 +178,33 @@ def load_optimizer(optimizer, path: str | Path) -> None:
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:  # refused or unreadable
         raise CheckpointError(f"checkpoint file {file} cannot be loaded safely: {err}") from err
     optimizer.load_state_dict(state)
+
+
+def latest_checkpoint(save_dir: str | Path) -> Path | None:
+    """The complete checkpoint (``step_N`` whose manifest verifies) with the largest N in
+    ``save_dir``, or None; ``step_N.tmp`` and damaged ones are skipped (a save the kill interrupted)."""
+    steps = sorted(((int(p.name[5:]), p) for p in Path(save_dir).glob("step_*")
+                    if p.is_dir() and p.name[5:].isdigit()), reverse=True)
+    for _, path in steps:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def resolve_resume(cfg: Any) -> Any:
+    """``cfg`` with ``trainer.resume_from: auto`` replaced by ``latest_checkpoint(save_dir)`` (None:
+    a fresh start); any other value is returned as it is. Every rank reads the same directory."""
+    t = cfg.trainer
+    if t.resume_from != "auto":
+        return cfg
+    found = latest_checkpoint(t.save_dir) if t.save_dir else None
+    if _rank() == 0:
+        print(f"megatron_rl: trainer.resume_from=auto -> {found or 'no complete checkpoint: a fresh start'}",
+              flush=True)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, resume_from=str(found) if found else None))
 
 
 def _sha256(file: Path, fsync: bool = False) -> str:

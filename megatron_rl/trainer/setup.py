@@ -29,7 +29,7 @@ from megatron_rl.platform import Platform
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
-from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state
+from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state, resolve_resume
 from megatron_rl.trainer.data_parallel import DispatchChannel
 from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
@@ -65,6 +65,7 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
     """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``; with
     ``replay`` (a ``rollout.record`` file) the pipeline replays it and no engine starts."""
     _, layout = start_world(cfg, platform)
+    cfg = resolve_resume(cfg)  # trainer.resume_from: auto -> save_dir's last complete checkpoint, or none
     resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
 
     def engines(model_path: str) -> RolloutEngine:
