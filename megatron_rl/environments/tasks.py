@@ -4,15 +4,30 @@ Contract: each class is an `Environment` factory (one instance per trajectory) t
 options (``environment.options``):
 - `EchoCounter(turns=2)`: no randomness, no tools; after each model turn it answers one user
   message naming the turn and the turn's length in characters, and is done after `turns` model
-  turns. Its observations depend only on the model's text, so periodic == sync holds with it.
+  turns. It counts the turn's <tool_call> blocks (and the malformed ones as tool errors).
+  Its observations depend only on the model's text, so periodic == sync holds with it.
+- `ToolTask(tools=("calculator",), ...)`: the record's chat plus a tool instruction; each model
+  turn's <tool_call> blocks are run (at most `max_tool_calls`) and answered with one "tool"
+  message each; a turn without a tool call is the final answer: done, and the reward is
+  reasoning_gym's own scorer on its last \\boxed{} when the record comes from a
+  ``reasoning_gym:<name>`` source (else None: the task's reward function scores).
+  `CalculatorArithmetic` (calculator tool) and `PythonArithmetic` (sandboxed Python tool) are
+  ToolTasks; their data are e.g. ``reasoning_gym:products`` with big operands
+  (``data.options: {min_digits: 5, max_digits: 7}``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_rl.environments.base import Message, StepResult
+from megatron_rl.environments.calculator import CALCULATOR_TOOL, call_calculator
+from megatron_rl.environments.sandbox import PYTHON_TOOL, SandboxLimits, call_python
+from megatron_rl.environments.template import ToolCall, parse_tool_calls
+from megatron_rl.rewards.base import extract_boxed
+
+ToolFn = Callable[[dict], tuple[str, bool]]  # arguments -> (observation text, succeeded)
 
 
 class EchoCounter:
@@ -33,7 +48,82 @@ class EchoCounter:
     def step(self, model_turn: str) -> StepResult:
         """A user message naming the turn and its length; done after `turns` turns."""
         self.turn += 1
+        calls = parse_tool_calls(model_turn)
+        counts = {"tool_calls": len(calls), "tool_errors": sum(c.error is not None for c in calls)}
         if self.turn >= self.turns:
-            return StepResult(observation=(), done=True)
+            return StepResult(observation=(), done=True, **counts)
         text = f"Turn {self.turn}: you wrote {len(model_turn)} characters. Go on."
-        return StepResult(observation=({"role": "user", "content": text},), done=False)
+        return StepResult(observation=({"role": "user", "content": text},), done=False, **counts)
+
+
+class ToolTask:
+    """A question answered with tools, scored on the final turn (see module doc)."""
+
+    def __init__(self, *, tools: Sequence[str] = ("calculator",), max_tool_calls: int = 4,
+                 instruction: str = "Use the tools for every calculation.", sandbox: Mapping[str, Any] | None = None):
+        limits = SandboxLimits(**dict(sandbox or {}))  # TypeError on an unknown limit: the loader reports it
+        available: dict[str, tuple[dict, ToolFn]] = {
+            "calculator": (CALCULATOR_TOOL, call_calculator),
+            "python": (PYTHON_TOOL, lambda arguments: call_python(arguments, limits)),
+        }
+        unknown = sorted(set(tools) - set(available))
+        if unknown or not tools:
+            raise ValueError(f"tools must name some of {sorted(available)}, got {list(tools)}")
+        if not isinstance(max_tool_calls, int) or max_tool_calls < 1:
+            raise ValueError(f"max_tool_calls must be an integer >= 1, got {max_tool_calls!r}")
+        self.tools = tuple(available[name][0] for name in tools)
+        self._handlers = {name: available[name][1] for name in tools}
+        self.max_tool_calls, self.instruction = max_tool_calls, instruction
+        self.record: Mapping[str, Any] = {}
+
+    def reset(self, record: Mapping[str, Any]) -> list[Message]:
+        """The record's chat with the tool instruction appended to its last user turn."""
+        self.record = record
+        messages = [dict(m) for m in record["messages"]]
+        if self.instruction:
+            messages[-1]["content"] = f"{messages[-1]['content']}\n\n{self.instruction}"
+        return messages
+
+    def step(self, model_turn: str) -> StepResult:
+        """Run the turn's tool calls, or score it as the final answer when it makes none."""
+        calls = parse_tool_calls(model_turn)
+        if not calls:
+            return StepResult(observation=(), done=True, reward=self.score(model_turn))
+        outcomes = [self._call(call) for call in calls[:self.max_tool_calls]]
+        outcomes += [(f"Error: at most {self.max_tool_calls} tool calls per turn; this one was not run", False)
+                     for _ in calls[self.max_tool_calls:]]
+        observation = tuple({"role": "tool", "content": text} for text, _ in outcomes)
+        return StepResult(observation=observation, done=False, tool_calls=len(calls),
+                          tool_errors=sum(not ok for _, ok in outcomes))
+
+    def _call(self, call: ToolCall) -> tuple[str, bool]:
+        if call.error is not None:
+            return f"Error: malformed tool call ({call.error})", False
+        if call.name not in self._handlers:
+            return f"Error: no tool named {call.name!r}; the tools are {', '.join(self._handlers)}", False
+        return self._handlers[call.name](call.arguments)
+
+    def score(self, final_turn: str) -> float | None:
+        """reasoning_gym's scorer on the final turn's last \\boxed{} (None for other sources)."""
+        metadata = self.record.get("metadata") or {}
+        name, entry = metadata.get("reasoning_gym"), metadata.get("entry")
+        if name is None or entry is None:
+            return None
+        import reasoning_gym
+
+        return float(reasoning_gym.get_score_answer_fn(name)(answer=extract_boxed(final_turn), entry=entry))
+
+
+class CalculatorArithmetic(ToolTask):
+    """A `ToolTask` with the calculator tool."""
+
+    def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the calculator tool for every calculation."):
+        super().__init__(tools=("calculator",), max_tool_calls=max_tool_calls, instruction=instruction)
+
+
+class PythonArithmetic(ToolTask):
+    """A `ToolTask` with the sandboxed Python tool (``sandbox``: `SandboxLimits` fields)."""
+
+    def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the python tool for every calculation.",
+                 sandbox: Mapping[str, Any] | None = None):
+        super().__init__(tools=("python",), max_tool_calls=max_tool_calls, instruction=instruction, sandbox=sandbox)
