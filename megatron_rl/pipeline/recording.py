@@ -142,6 +142,9 @@ class NullEngine:
     def generate(self, requests):
         raise RuntimeError("a replay has no rollout engine")
 
+    def score(self, requests):
+        raise RuntimeError("a replay has no rollout engine to score with (the engine probe is off in a replay)")
+
     def load_weights(self, update, version: int) -> None:
         self.weight_version = version
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megatron_rl.rollout.sampling import sample_next
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, hf_score
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.rollout.worker import WorkerSpec
 
@@ -65,6 +66,10 @@ class HFBackend:
                 request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tuple(tokens),
                 logprobs=tuple(logprobs), finish_reason=reason, weight_version=weight_version,
             )
+
+    def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
+        """Teacher-forced log-probs of each request's response (``rollout.scoring``)."""
+        return hf_score(self._model, requests, weight_version)
 
     def _generators(self, requests: Sequence[GenerationRequest]) -> list[torch.Generator]:
         seeds = [

@@ -17,6 +17,8 @@ Contract:
   arrive while it runs (multi-turn rollouts); same guarantees, one weight version throughout.
 - ``load_weights(update, version)`` returns once every worker runs the new version; results
   always carry the version they were sampled with.
+- ``score(requests)``: prefill-only log-probs of given tokens (``rollout.scoring``, dispatched by
+  ``score_dispatch``), in request order, with the version that scored them.
 - ``generate`` and the updates may come from different threads (stale mode: the producer
   generates batch t+1 while the trainer syncs version t+1): an update waits for the
   generate call in progress (a lock), so every batch runs on one version. That lock has no
@@ -35,6 +37,8 @@ from collections.abc import Iterator, Sequence
 from megatron_rl.rollout.delivery import Delivery
 from megatron_rl.rollout.dispatch import generate_results, stream_results
 from megatron_rl.rollout.feed import RequestFeed
+from megatron_rl.rollout.score_dispatch import score_results
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, check_unique, in_request_order
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.rollout.worker import WorkerSpec
@@ -98,6 +102,15 @@ class WorkerPool:
         until it is closed and answered; holds the pool like ``generate`` (one weight version)."""
         self._check_idle("generate_stream")
         return self._generate(feed)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> tuple[ScoreResult, ...]:
+        """Teacher-forced log-probs of each request's response at the current version, in request
+        order (``rollout.scoring``); waits for a generate call in progress, like ``load_weights``."""
+        check_unique(requests)
+        self._check_idle("score")
+        with self._lock:
+            self._prepare("score")
+            return in_request_order(score_results(self._sup, requests), requests)
 
     def load_weights(self, update: WeightUpdate, version: int) -> None:
         """Load ``update`` (a ``weight_sync`` transport's message) into every worker as ``version``."""

@@ -15,6 +15,7 @@ from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import SamplingConfig
 
 if TYPE_CHECKING:
+    from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
     from megatron_rl.weight_sync import WeightUpdate
 
 
@@ -62,6 +63,11 @@ class RolloutEngine(Protocol):
 
     def generate(self, requests: Sequence[GenerationRequest]) -> Iterator[GenerationResult]:
         """Yield one result per request, in completion order (not request order)."""
+        ...
+
+    def score(self, requests: Sequence[ScoreRequest]) -> tuple[ScoreResult, ...]:
+        """Prefill only: each request's response log-probs at its temperature, teacher-forced, in
+        request order, each stamped with the version that scored it (``rollout.scoring``)."""
         ...
 
     def load_weights(self, update: WeightUpdate, version: int) -> None:

@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator, Sequence
 from functools import partial
 
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, vllm_score
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.rollout.worker import WorkerSpec
 
@@ -129,6 +130,10 @@ class VLLMBackend:
         finally:
             if pending:  # an error: leave nothing behind for the next chunk
                 engine.abort_request(list(pending))
+
+    def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
+        """Prompt log-probs of each request's response, at temperature 1 only (``rollout.scoring``)."""
+        return vllm_score(self._llm, requests, weight_version)
 
 
 def load_in_place(named_tensors, model, *, repack: bool) -> tuple[list[str], list[str]]:

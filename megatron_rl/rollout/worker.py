@@ -2,9 +2,9 @@
 
 Each worker owns one duplex pipe to the parent and has at most one command outstanding:
 
-    parent -> worker: Generate(requests) | Receive(load, version) | Stop()
+    parent -> worker: Generate(requests) | Score(requests) | Receive(load, version) | Stop()
     worker -> parent: Ready(version)                     once, after start-up
-                      Result(result)* then Done()        for Generate (one Result per request)
+                      Result(result)* then Done()        for Generate / Score (one Result per request)
                       Loaded(version)                    for Receive
                       Failed(request_ids, error)         instead of Done / Loaded / Ready
 
@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.settings import DeviceAssignment
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 
@@ -66,6 +67,10 @@ class WorkerBackend(Protocol):
         """Yield exactly one result per request, each stamped with ``weight_version``."""
         ...
 
+    def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
+        """Yield one teacher-forced ``ScoreResult`` per request (prefill only), stamped with ``weight_version``."""
+        ...
+
     def load_tensors(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Replace the weights in place with HF-named tensors (every parameter exactly once).
         A backend whose class sets ``streams_weights = True`` copies each tensor before taking
@@ -81,6 +86,11 @@ class WorkerBackend(Protocol):
 @dataclass(frozen=True)
 class Generate:
     requests: tuple[GenerationRequest, ...]
+
+
+@dataclass(frozen=True)
+class Score:
+    requests: tuple[ScoreRequest, ...]
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,7 @@ class Ready:
 
 @dataclass(frozen=True)
 class Result:
-    result: GenerationResult
+    result: GenerationResult | ScoreResult
 
 
 @dataclass(frozen=True)
@@ -182,9 +192,10 @@ def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
                 continue
             version = command.version if command.load.loads else version
             conn.send(Loaded(version))
-        elif isinstance(command, Generate):
+        elif isinstance(command, (Generate, Score)):
+            run = backend.generate if isinstance(command, Generate) else backend.score
             try:
-                for result in backend.generate(command.requests, version):
+                for result in run(command.requests, version):
                     conn.send(Result(result))
             except Exception:
                 conn.send(Failed(tuple(r.request_id for r in command.requests), traceback.format_exc()))

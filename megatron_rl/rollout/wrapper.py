@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine
 from megatron_rl.weight_sync import WeightUpdate
 
@@ -25,6 +26,9 @@ class EngineWrapper:
     def generate_stream(self, feed):
         """Forwarded as is: a wrapper that changes ``generate`` must override this too to see turns."""
         return self.inner.generate_stream(feed)
+
+    def score(self, requests: Sequence[ScoreRequest]) -> tuple[ScoreResult, ...]:
+        return self.inner.score(requests)
 
     def load_weights(self, update: WeightUpdate, version: int) -> None:
         self.inner.load_weights(update, version)
