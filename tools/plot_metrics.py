@@ -5,7 +5,8 @@
 Panels: reward, response lengths, throughput (tokens/s/device and completion tokens/s), the
 phase breakdown of every step (stacked; the same exclusive phases as
 ``python -m megatron_rl bench``), and KL / clip fractions / mismatch (whichever ``loss/…`` and
-``mismatch/…`` keys the run logged). Writes ``RUN_DIR/dashboard.png`` by default (matplotlib,
+``mismatch/…`` keys the run logged); multi-turn runs add turns per trajectory, tool calls /
+errors / environment failures, and model vs observation tokens with the seconds in environments. Writes ``RUN_DIR/dashboard.png`` by default (matplotlib,
 Agg backend: no display needed) and prints its path.
 """
 
@@ -112,13 +113,21 @@ def _phases(ax, rows: Rows) -> None:
 def plot(rows: Rows, out: Path) -> Path:
     """Draw the dashboard of ``rows`` into ``out`` (PNG); return ``out``."""
     keys = sorted({k for r in rows for k in r})
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    multiturn = any(k.startswith("multiturn/") for k in keys)
+    fig, axes = plt.subplots(3 if multiturn else 2, 3, figsize=(16, 12.5 if multiturn else 8.5))
     _lines(axes[0, 0], rows, ["rollout/reward_mean"], "reward (mean)")
     _lines(axes[0, 1], rows, [k for k in keys if k.startswith("rollout/") and "response_len" in k], "response length")
     _throughput(axes[0, 2], rows)
     _phases(axes[1, 0], rows)
     _lines(axes[1, 1], rows, [k for k in keys if k.startswith(KL_CLIP_PREFIXES)], "KL / clip fractions")
     _lines(axes[1, 2], rows, ["loss/value", "loss/grad_norm"], "loss and grad norm")
+    if multiturn:  # multi-turn runs: a third row (pipeline.multiturn.multiturn_metrics)
+        _lines(axes[2, 0], rows, ["multiturn/turns_mean", "multiturn/turns_max"], "turns per trajectory")
+        _lines(axes[2, 1], rows, ["multiturn/tool_calls", "multiturn/tool_errors", "multiturn/env_failures"],
+               "tool calls / errors / environment failures per step")
+        _lines(axes[2, 2], rows, ["multiturn/model_tokens", "multiturn/observation_tokens"],
+               "model vs observation tokens per step")
+        axes[2, 2].twinx().plot(*series(rows, "multiturn/env_s"), "k:", label="env s")
     for ax in axes.flat:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"megatron_rl run: {len(rows)} steps")

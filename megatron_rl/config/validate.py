@@ -104,6 +104,15 @@ def check_micro_batch_budget(cfg: Config) -> Found:
         )
 
 
+def check_multiturn_budget(cfg: Config) -> Found:
+    """A multi-turn trajectory (prompt + model + observation tokens, up to
+    environment.max_total_tokens) must fit one micro-batch, as a single response does."""
+    e, p = cfg.environment, cfg.pipeline
+    if e.kind != "none" and p.micro_batch_tokens < e.max_total_tokens:
+        yield ("pipeline.micro_batch_tokens", f"{p.micro_batch_tokens} < environment.max_total_tokens "
+               f"({e.max_total_tokens}): a whole trajectory must fit a micro-batch; raise it to >= {e.max_total_tokens}")
+
+
 def check_temperature(cfg: Config) -> Found:
     """Log-probs must be computed at the temperature the responses were sampled at."""
     train_t, sample_t = cfg.algorithm.temperature, cfg.rollout.sampling.temperature
@@ -119,5 +128,6 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_staleness,
     check_overlong,
     check_micro_batch_budget,
+    check_multiturn_budget,
     check_temperature,
 )

@@ -43,10 +43,13 @@ EncodeMessages = Callable[[Sequence[Mapping[str, Any]], Sequence[dict]], Sequenc
 
 
 class StepRunner(Protocol):
-    """Runs ``env.step`` off the caller's thread (``environments.runner.EnvironmentRunner`` fits):
-    the future holds a ``StepResult`` whose ``error`` is set when the call raised or hung."""
+    """Runs environment calls off the caller's thread (``environments.runner.EnvironmentRunner``
+    fits): a step's future holds a ``StepResult`` whose ``error`` is set when the call raised or
+    hung; a future raises only when the run must stop (failed reset, too many failures)."""
 
-    def submit_step(self, env: Any, model_turn: str) -> Future: ...
+    def submit_reset(self, env: Any, record: Mapping[str, Any], *, tag: str = "") -> Future: ...
+
+    def submit_step(self, env: Any, model_turn: str, *, tag: str = "") -> Future: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,13 +176,17 @@ class MultiTurnRollout:
             thread.join()
 
     def _start(self, starts, group_size: int) -> dict[str, _Live]:
-        """Reset one environment per (prompt, k); the K first prompts of a group must agree."""
+        """Reset one environment per (prompt, k) on the runner; the K first prompts of a group
+        must agree. A failed reset raises (the runner's ``EnvironmentCallFailed``)."""
+        envs = [[self._env_factory() for _ in range(group_size)] for _ in starts]
+        resets = [[self._runner.submit_reset(env, dict(start.fields), tag=f"{start.base}/{k}")
+                   for k, env in enumerate(row)] for start, row in zip(starts, envs, strict=True)]
         live: dict[str, _Live] = {}
         for p, start in enumerate(starts):
             shared: tuple[int, ...] | None = None
             for k in range(group_size):
-                env = self._env_factory()
-                ids = tuple(self.settings.encode_prompt(env.reset(dict(start.fields)), env.tools))
+                env = envs[p][k]
+                ids = tuple(self.settings.encode_prompt(resets[p][k].result(), env.tools))
                 if shared is not None and ids != shared:
                     raise ValueError(f"environment reset gave trajectory {k} of {start.base!r} another first prompt "
                                      "than trajectory 0: reset must depend on the record only (shared prompt)")
@@ -235,18 +242,14 @@ class MultiTurnRollout:
             traj.truncated = True
             return True
         start = time.perf_counter()
-        future = self._runner.submit_step(traj.env, traj.last_text)
+        future = self._runner.submit_step(traj.env, traj.last_text, tag=result.request_id)
         future.add_done_callback(lambda f: events.put(_StepDone(traj.key, f, time.perf_counter() - start)))
         return False
 
     def _on_step(self, traj: _Live, event: _StepDone, feed: RequestFeed) -> bool:
         """Take the environment's answer: count, append the observation, submit the next turn."""
         traj.env_s += event.elapsed_s
-        try:
-            step = event.future.result()
-        except Exception:  # noqa: BLE001 -- a runner that lets an environment error through: counted
-            traj.env_failures += 1
-            return True
+        step = event.future.result()  # raises only past environment.max_failures: the run stops
         traj.tool_calls += step.tool_calls
         traj.tool_errors += step.tool_errors
         if step.error is not None:

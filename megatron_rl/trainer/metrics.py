@@ -198,4 +198,16 @@ def format_step(step: int, metrics: Mapping[str, float]) -> str:
     rate = metrics.get("throughput/tokens_per_s_per_device")
     rate = f" {rate:.1f} tok/s/dev" if rate is not None else ""
     return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{loss} "
-            f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s{rate}")
+            f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s{rate}{_turns(metrics)}")
+
+
+def _turns(metrics: Mapping[str, float]) -> str:
+    """Multi-turn figures of the step ('' for single-turn runs): turns per trajectory, tool calls
+    and errors, environment failures, observation share of the trained tokens, time in environments."""
+    if "multiturn/turns_mean" not in metrics:
+        return ""
+    m = metrics
+    tokens = m["multiturn/model_tokens"] + m["multiturn/observation_tokens"]
+    return (f" | turns {m['multiturn/turns_mean']:.2f} tools {m['multiturn/tool_calls']:.0f}"
+            f" ({m['multiturn/tool_errors']:.0f} err, {m['multiturn/env_failures']:.0f} env fail)"
+            f" obs {m['multiturn/observation_tokens'] / max(tokens, 1):.0%} env {m['multiturn/env_s']:.1f}s")

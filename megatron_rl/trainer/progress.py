@@ -33,6 +33,7 @@ class Progress:
             "tok/s/dev": f"{metrics.get('throughput/tokens_per_s_per_device', 0.0):.1f}",
             "reward": f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
             "G": f"{metrics.get('rollout/group_size', 0.0):.0f}",
+            **({"turns": f"{metrics['multiturn/turns_mean']:.2f}"} if "multiturn/turns_mean" in metrics else {}),
         }, refresh=False)
         self._bar.update(1)
 
