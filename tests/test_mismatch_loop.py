@@ -4,12 +4,16 @@ An engine whose weights are deliberately one version behind (it acknowledges ver
 loads the snapshot of v − 1) makes ``algorithm.mismatch_alarm`` with ``action: stop`` raise
 before the optimizer step of the first batch it samples with stale weights; the same run with
 a correctly synced engine logs ``mismatch/…`` metrics at fp32 round-off and trains through.
+In ``stale`` mode the loss measures nothing in steady state (every sample is d >= 1 old): the
+engine probe (``trainer.engine_probe``) catches the same engine at the first sync, and logs
+``mismatch_probe/…`` at round-off every step with a synced one.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from megatron_rl.rollout.wrapper import EngineWrapper
 from tests.distributed import run_distributed
 from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
 
@@ -18,15 +22,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 ALARM = ["algorithm.mismatch_alarm.logprob_abs_diff_mean=1e-4", "algorithm.mismatch_alarm.action=stop"]
 
 
-class OneVersionBehindEngine:
+class OneVersionBehindEngine(EngineWrapper):
     """Wraps a real engine; ``load_weights(snapshot_v, v)`` loads the previous snapshot (the
-    checkpoint's weights for v = 1) while reporting version v: weights not synced, labels fine."""
+    checkpoint's weights for v = 1) while reporting version v: weights not synced, labels fine
+    (it generates and scores with them)."""
 
     def __init__(self, inner, initial: str) -> None:
-        self.inner, self.previous = inner, initial
-
-    def generate(self, requests):
-        yield from self.inner.generate(requests)
+        super().__init__(inner)
+        self.previous = initial
 
     def load_weights(self, update, version: int) -> None:
         from megatron_rl.weight_sync.snapshot import SnapshotUpdate
@@ -35,13 +38,6 @@ class OneVersionBehindEngine:
             raise NotImplementedError("this test uses rollout.weight_sync=snapshot")
         self.inner.load_weights(SnapshotUpdate(self.previous), version)
         self.previous = update.path
-
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
 
 
 def _behind_factory(settings):
@@ -103,3 +99,26 @@ def test_synced_engine_logs_round_off_mismatch_and_trains_through(config, varian
         assert h["mismatch/logprob_abs_diff_mean"] <= 1e-5
         assert h["mismatch/masked_fraction"] == 0.0
         assert h["mismatch/seq_ratio_max"] == pytest.approx(1.0, abs=1e-3)
+
+
+STALE = ["pipeline.mode=stale", "pipeline.max_staleness=1", "pipeline.queue_size=16", "algorithm.loss=ppo_decoupled",
+         "algorithm.proximal=loglinear"]
+
+
+def test_stale_mode_engine_one_version_behind_is_caught_by_the_probe_at_the_first_sync(config):
+    ((status, message),) = run_distributed(_train, 1, config, [*ALARM, *STALE], True, timeout_s=900)
+    assert status == "stopped", "the stale engine went unnoticed in stale mode"
+    assert "mismatch/logprob_abs_diff_mean" in message and "weights not synced" in message
+    assert "engine probe right after the sync of version 1" in message  # within the first step
+
+
+def test_stale_mode_synced_engine_probe_logs_round_off_every_step(config):
+    ((status, history),) = run_distributed(_train, 1, config, [*ALARM, *STALE], False, timeout_s=900)
+    assert status == "done" and len(history) == 3
+    for h in history:
+        assert h["mismatch_probe/n_tokens"] > 0 and h["probe/sequences"] == 4
+        assert h["mismatch_probe/logprob_abs_diff_mean"] <= 1e-5 and h["time/probe_s"] > 0
+    steady = [h for h in history if h["rollout/staleness_mean"] >= 1]
+    assert steady, "no step with only stale samples"
+    for h in steady:  # the loss measured nothing: n_tokens 0, no other mismatch/ metric
+        assert h["mismatch/n_tokens"] == 0 and "mismatch/kl_k3" not in h

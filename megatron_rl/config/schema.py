@@ -118,6 +118,10 @@ class RolloutCorrectionConfig:
     c_min: float | None = None  # lower bound C_min of the ratio π_trainer/π_behav; None = unbounded
     c_max: float | None = 3.0  # upper bound C_max of the ratio; None = unbounded
     delta: float | None = None  # DeepSeek-V3.2 off-policy masking: drop A<0 sequences with KL > delta
+    # Engine probe (trainer/engine_probe.py): after each weight sync the engines score this many just-
+    # trained sequences and the trainer compares (mismatch_probe/*, read by the alarm); 0 = off;
+    # None = 4 in pipeline.mode stale (its samples are all stale: the loss measures nothing), else 0.
+    probe_sequences: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -91,6 +91,8 @@ def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seco
     metrics.update({f"time/{phase}_s": value for phase, value in phases.items()})
     metrics.update(_throughput(metrics, phases, step_s=step_s, devices=devices))
     metrics.update(_weight_sync(seconds))
+    # the engine probe's metrics (trainer.engine_probe), travelling with the seconds; absent when it did not run
+    metrics.update({k: v for k, v in seconds.items() if k.startswith(("mismatch_probe/", "probe/"))})
     metrics.update({
         "loss/value": sum(r.loss for r in stepped) / max(len(stepped), 1),
         "loss/grad_norm": sum(r.grad_norm for r in stepped) / max(len(stepped), 1),
@@ -123,7 +125,7 @@ def transfer_metrics() -> dict[str, float]:
 
 
 # The trainer's phases (Replica.seconds); with the queue wait and idle they make up the step.
-TRAINER_PHASES = ("train", "optimizer", "weight_sync")
+TRAINER_PHASES = ("train", "optimizer", "weight_sync", "probe")
 
 
 def _throughput(metrics: Mapping[str, float], phases: Mapping[str, float], *, step_s: float,

@@ -17,8 +17,10 @@ from megatron_rl.algorithms import MismatchAlarm, MismatchAlarmError, MismatchMe
 logger = logging.getLogger(__name__)
 
 
-def check_mismatch(alarm: MismatchAlarm | None, world: MismatchMetrics | None) -> str | None:
-    """Apply ``alarm`` to this mini-batch's world mismatch metrics (call on every rank, before the step).
+def check_mismatch(alarm: MismatchAlarm | None, world: MismatchMetrics | None, *,
+                   when: str = "before the optimizer step") -> str | None:
+    """Apply ``alarm`` to world mismatch metrics (call on every rank): a mini-batch's, before its
+    step, or the engine probe's after a sync (``trainer.engine_probe``); ``when`` says which.
 
     Returns the warning text when the alarm fired with ``action: warn`` (logged on rank 0),
     None when it stayed silent; raises ``MismatchAlarmError`` when it fired with ``stop``.
@@ -29,7 +31,7 @@ def check_mismatch(alarm: MismatchAlarm | None, world: MismatchMetrics | None) -
     if verdict is None:
         return None
     if alarm.action == "stop":
-        raise MismatchAlarmError(f"{verdict} Stopped before the optimizer step (mismatch_alarm.action: stop).")
+        raise MismatchAlarmError(f"{verdict} Stopped: {when} (mismatch_alarm.action: stop).")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.warning("%s", verdict)
+        logger.warning("%s (%s)", verdict, when)
     return verdict

@@ -37,6 +37,7 @@ from megatron_rl.pipeline import MicroBatch
 from megatron_rl.rollout.types import RolloutEngine
 from megatron_rl.trainer.checkpoint import RunState, finalize, staging_dir
 from megatron_rl.trainer.data_parallel import DispatchChannel
+from megatron_rl.trainer.engine_probe import EngineProbe, ProbeInput, measure_probe
 from megatron_rl.trainer.optimizer_state import save_optimizer_state
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
 from megatron_rl.trainer.policy_weights import PolicyWeights, stage_place
@@ -84,6 +85,8 @@ class Replica:
             scratch=self.snapshot_root, bucket_bytes=sync_bucket_mb << 20))
         self.stop = StopRequest()  # installed by the loop
         self.results: list[MiniBatchResult] = []
+        self.probe: EngineProbe | None = None  # the leader's engine probe, when on (set by trainer.setup)
+        self.probe_log: dict[str, float] = {}  # the last probe's metrics (trainer.engine_probe), until popped
         self.seconds = {"train": 0.0, "optimizer": 0.0, "weight_sync": 0.0}  # since the last pop_results()
         self.trainer.begin_batch()
 
@@ -114,6 +117,13 @@ class Replica:
             self.seconds[key] = self.seconds.get(key, 0.0) + value
         return version
 
+    def probe_engine(self, probe: ProbeInput) -> None:
+        """Compare the engines' scores of the probe with the policy's (``trainer.engine_probe``;
+        collective over the world, the mismatch alarm applied)."""
+        start = time.perf_counter()
+        self.probe_log = measure_probe(self.trainer, probe)
+        self.seconds["probe"] = self.seconds.get("probe", 0.0) + time.perf_counter() - start + probe.engine_s
+
     def save(self, path: str) -> None:
         """Write this rank's share of a checkpoint into ``path``'s staging directory: weights and
         optimizer state per HF parameter, so any layout can resume it (collective over the world)."""
@@ -134,7 +144,8 @@ class Replica:
 
     def pop_results(self) -> tuple[list[MiniBatchResult], dict[str, float]]:
         """The optimizer steps and the seconds spent per phase since the last call."""
-        out, seconds = self.results, self.seconds
+        out, seconds = self.results, self.seconds | self.probe_log
+        self.probe_log = {}
         self.results, self.seconds = [], dict.fromkeys(seconds, 0.0)
         return out, seconds
 
@@ -142,7 +153,8 @@ class Replica:
 # What followers may be asked to run: public Replica methods only.
 REPLICA_CALLS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save, Replica.poll_stop)
+    for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save, Replica.poll_stop,
+              Replica.probe_engine)
 }
 
 
@@ -154,6 +166,8 @@ class LeaderReplica:
         self.replica, self.channel, self.dispatch = replica, replica.channel, replica.dispatch
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
+        if self.replica.probe is not None:
+            self.replica.probe.remember(mb)
         if mb.replica == 0:
             self._call("train_micro_batch", mb, remote=False)
         elif self.dispatch is None:
@@ -165,7 +179,12 @@ class LeaderReplica:
         self._call("optimizer_step")
 
     def sync_weights(self, version: int) -> int:
-        return self._call("sync_weights", version)
+        """Sync every replica's policy to the engines as ``version``, then probe the engines at it."""
+        self._call("sync_weights", version)
+        probe = self.replica.probe.request(version) if self.replica.probe is not None else None
+        if probe is not None:
+            self._call("probe_engine", probe)
+        return version
 
     def save_checkpoint(self, path: str | Path, state: RunState) -> Path:
         """Write a resumable checkpoint at ``path`` (collective over the world); see ``checkpoint``."""

@@ -31,6 +31,7 @@ from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
 from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state, resolve_resume
 from megatron_rl.trainer.data_parallel import DispatchChannel
+from megatron_rl.trainer.engine_probe import make_probe
 from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
 from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
@@ -72,6 +73,8 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
         return NullEngine() if replay else build_engines(cfg, engine_factory, model_path=model_path)
 
     replica = build_replica(cfg, layout, engine_for=engines, resume=resume)
+    if dist.get_rank() == 0:  # the engine owner probes the engines after each sync (trainer.engine_probe)
+        replica.probe = make_probe(cfg, replica.engine, replay=replay is not None)
     first = resume.step if resume else 0
     if dist.get_rank() != 0:
         return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=replica.snapshot_root)
