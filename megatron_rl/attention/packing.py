@@ -35,6 +35,9 @@ class TokenGroup:
 
     prompt_ids: torch.Tensor  # [Lp]
     response_ids: tuple[torch.Tensor, ...]  # K tensors of [Lr_i]
+    # MoE routing replay: the engine's experts per token, [Lp, L, top_k] and K x [Lr_i, L, top_k]
+    prompt_routes: torch.Tensor | None = None
+    response_routes: tuple[torch.Tensor, ...] | None = None
 
     @property
     def num_packed_tokens(self) -> int:
@@ -52,6 +55,7 @@ class PackedGroup:
     target_ids: torch.Tensor  # [Ng]
     prompt_len: int
     response_lens: tuple[int, ...]
+    routed_experts: torch.Tensor | None = None  # [Tg, L, top_k] int16, MoE routes of every packed token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +71,7 @@ class PackedMicroBatch:
     target_ids: torch.Tensor  # [N] int64
     response_lens: tuple[int, ...]  # [R], R = responses of all groups, in order
     layout: AttentionLayout  # the layout_meta of ``shared_prompt_attention``
+    routed_experts: torch.Tensor | None = None  # [T, L, top_k] int16: the engine's MoE routes (routing replay)
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +87,8 @@ class PackedMicroBatch:
         if self.token_ids.device == torch.device(device):
             return self
         moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS}
+        if self.routed_experts is not None:
+            moved["routed_experts"] = self.routed_experts.to(device, non_blocking=True)
         return replace(self, **moved)
 
 
@@ -115,8 +122,27 @@ def pack_group(group: TokenGroup) -> PackedGroup:
         token_ids=torch.cat(tokens), position_ids=torch.cat(positions), segment_ids=torch.cat(segments),
         logit_index=torch.cat(logit_index) if logit_index else empty,
         target_ids=torch.cat(responses) if responses else empty,
-        prompt_len=lp, response_lens=tuple(r.numel() for r in responses),
+        prompt_len=lp, response_lens=tuple(r.numel() for r in responses), routed_experts=_group_routes(group),
     )
+
+
+def _group_routes(group: TokenGroup) -> torch.Tensor | None:
+    """``[Tg, L, top_k]``: the group's routes in packed order, or None without routes."""
+    if group.prompt_routes is None:
+        return None
+    routes = torch.cat([group.prompt_routes, *group.response_routes])
+    if routes.shape[0] != group.num_packed_tokens:
+        raise ValueError(f"routes for {routes.shape[0]} tokens, the group packs {group.num_packed_tokens}")
+    return routes
+
+
+def _concat_routes(packed: Sequence[PackedGroup]) -> torch.Tensor | None:
+    routes = [g.routed_experts for g in packed]
+    if all(r is None for r in routes):
+        return None
+    if any(r is None for r in routes):
+        raise ValueError("a micro-batch mixes groups with and without routed experts")
+    return torch.cat(routes)
 
 
 def concat_groups(packed: Sequence[PackedGroup]) -> PackedMicroBatch:
@@ -138,6 +164,7 @@ def concat_groups(packed: Sequence[PackedGroup]) -> PackedMicroBatch:
         target_ids=torch.cat([g.target_ids for g in packed]),
         response_lens=tuple(n for g in packed for n in g.response_lens),
         layout=layout,
+        routed_experts=_concat_routes(packed),
     )
 
 
@@ -174,7 +201,11 @@ def k_copies(groups: Sequence[TokenGroup]) -> list[TokenGroup]:
 
     Packing the result gives the same response order, so ``unpack_logprobs`` of both layouts
     lines up response by response; used for equivalence tests and benchmarks."""
-    return [TokenGroup(prompt_ids=g.prompt_ids, response_ids=(r,)) for g in groups for r in g.response_ids]
+    return [
+        TokenGroup(prompt_ids=g.prompt_ids, response_ids=(r,), prompt_routes=g.prompt_routes,
+                   response_routes=None if g.response_routes is None else (g.response_routes[i],))
+        for g in groups for i, r in enumerate(g.response_ids)
+    ]
 
 
 def unpack_logprobs(per_token: torch.Tensor, mb: PackedMicroBatch) -> list[torch.Tensor]:

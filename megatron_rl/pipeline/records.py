@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, concat_groups, greedy_chunks, pack_group
+from megatron_rl.rollout.types import RoutedExperts
 
 
 class PipelineError(RuntimeError):
@@ -78,6 +79,7 @@ class Sample:
     env_failures: int = 0  # environment calls that raised or timed out (the trajectory ended there)
     env_s: float = 0.0  # seconds in environment calls
     truncated: bool = False  # ended by environment.max_turns / max_total_tokens, not by the environment
+    routed_experts: RoutedExperts | None = None  # MoE: experts of the Lp + Lr - 1 forwarded tokens (routing replay)
 
     def __post_init__(self) -> None:
         if not self.response_ids:
@@ -85,6 +87,10 @@ class Sample:
         if self.loss_mask is not None and (len(self.loss_mask) != len(self.response_ids)
                                            or not set(self.loss_mask) <= {0, 1}):
             raise ValueError(f"request {self.request_id!r}: loss_mask must be 0/1 per response token")
+        forwarded = len(self.prompt_ids) + len(self.response_ids) - 1
+        if self.routed_experts is not None and self.routed_experts.num_tokens != forwarded:
+            raise ValueError(f"request {self.request_id!r}: routes for {self.routed_experts.num_tokens} tokens, "
+                             f"the engine forwarded {forwarded} (prompt + response - 1)")
         if len(self.behav_logprobs) != len(self.response_ids):
             raise ValueError(
                 f"request {self.request_id!r}: {len(self.behav_logprobs)} log-probs for "
@@ -199,7 +205,24 @@ def to_token_group(group: ScoredGroup) -> TokenGroup:
     return TokenGroup(
         prompt_ids=torch.tensor(group.samples[0].prompt_ids, dtype=torch.int64),
         response_ids=tuple(torch.tensor(s.response_ids, dtype=torch.int64) for s in group.samples),
+        **_group_routes(group),
     )
+
+
+def _group_routes(group: ScoredGroup) -> dict[str, Any]:
+    """``prompt_routes`` / ``response_routes`` of a group whose samples carry routes ({} if none do).
+    The prompt is packed once: its routes are sample 0's. A response's last token was never
+    forwarded by the engine: it repeats the previous token's route (no token attends to it and
+    its logits score nothing, so the choice changes no log-prob)."""
+    have = [s.routed_experts is not None for s in group.samples]
+    if not any(have):
+        return {}
+    if not all(have):
+        raise ValueError(f"request {group.samples[have.index(False)].request_id!r} has no routed experts, "
+                         "other samples of its group have")
+    lp = len(group.samples[0].prompt_ids)
+    routes = [torch.from_numpy(s.routed_experts.indices) for s in group.samples]
+    return {"prompt_routes": routes[0][:lp], "response_routes": tuple(torch.cat([r[lp:], r[-1:]]) for r in routes)}
 
 
 def unshare_prompts(mb: MicroBatch) -> MicroBatch:

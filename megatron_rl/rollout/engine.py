@@ -20,7 +20,7 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
             index=i, backend=settings.engine, model_path=str(settings.model_path), device=device,
             dtype=settings.engine_dtype, tensor_parallel_size=settings.tensor_parallel_size,
             max_batch_size=settings.max_batch_size, seed=settings.sampling.seed + i, env=dict(settings.worker_env),
-            backend_kwargs=dict(settings.vllm),
+            backend_kwargs=dict(settings.vllm), return_routed_experts=settings.return_routed_experts,
         )
         for i, device in enumerate(devices)
     ]

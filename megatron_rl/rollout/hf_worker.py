@@ -14,9 +14,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from megatron_rl.rollout.hf_routes import RouteRecorder
 from megatron_rl.rollout.sampling import sample_next
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, hf_score
-from megatron_rl.rollout.types import GenerationRequest, GenerationResult
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
 from megatron_rl.rollout.worker import WorkerSpec
 
 
@@ -36,6 +37,8 @@ class HFBackend:
             spec.model_path, dtype=getattr(torch, spec.dtype), **dict(spec.backend_kwargs)
         ).to(self._device).eval()
         self._seeds = torch.Generator().manual_seed(spec.seed)  # for requests without a seed
+        # algorithm.routing_replay: record the experts every forwarded token was routed to.
+        self._routes = RouteRecorder(self._model) if spec.return_routed_experts else None
 
     @property
     def device(self) -> torch.device:
@@ -60,11 +63,13 @@ class HFBackend:
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
         """Decode ``requests`` as one batch; yield each result as soon as its row finishes."""
-        for row, tokens, logprobs, reason in self._decode(requests):
+        routes: list[list[torch.Tensor]] = [[] for _ in requests]  # per request: [n, layers, top_k] chunks
+        for row, tokens, logprobs, reason in self._decode(requests, routes):
             r = requests[row]
             yield GenerationResult(
                 request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tuple(tokens),
                 logprobs=tuple(logprobs), finish_reason=reason, weight_version=weight_version,
+                routed_experts=RoutedExperts(torch.cat(routes[row]).numpy()) if self._routes else None,
             )
 
     def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
@@ -80,8 +85,10 @@ class HFBackend:
         return [torch.Generator().manual_seed(s) for s in seeds]
 
     @torch.no_grad()
-    def _decode(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[int, list, list, str]]:
-        """Yield (row, response ids, log-probs, finish reason) per request as rows finish."""
+    def _decode(self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]
+                ) -> Iterator[tuple[int, list, list, str]]:
+        """Yield (row, response ids, log-probs, finish reason) per request as rows finish; with
+        route recording on, ``routes[i]`` gets the routes of each token request i forwards."""
         prompt_len = max(len(r.prompt_ids) for r in requests)
         ids = torch.zeros(len(requests), prompt_len, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -92,6 +99,10 @@ class HFBackend:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache, logits, next_pos = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
+        if self._routes is not None:  # the prompt's rows, left padding dropped
+            prefill = self._routes.take(len(requests), prompt_len)
+            for i, r in enumerate(requests):
+                routes[i].append(prefill[i, prompt_len - len(r.prompt_ids):])
 
         temperature = torch.tensor([r.sampling.temperature for r in requests], device=self._device)
         top_p = torch.tensor([r.sampling.top_p for r in requests], device=self._device)
@@ -122,3 +133,7 @@ class HFBackend:
             out = self._model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                               past_key_values=cache, use_cache=True)
             cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+            if self._routes is not None:
+                step_routes = self._routes.take(len(rows), 1)
+                for j, i in enumerate(rows):
+                    routes[i].append(step_routes[j])

@@ -28,6 +28,7 @@ class EngineSettings(RolloutConfig):
     model_path: str  # HF checkpoint the engines start from (model.hf_path, or a resumed checkpoint's model)
     model_dtype: DType = ModelConfig.dtype  # model.dtype: the engines' dtype when rollout.dtype is None
     worker_env: Mapping[str, str] = field(default_factory=dict)  # extra environment of the worker processes
+    return_routed_experts: bool = False  # algorithm.routing_replay 'rollout': engines return MoE routes
 
     def __post_init__(self) -> None:
         require_valid(self, "rollout")

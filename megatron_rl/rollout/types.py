@@ -11,6 +11,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+import numpy as np
+
 from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import SamplingConfig
 
@@ -36,6 +38,33 @@ class SamplingSettings:
         require_values({"rollout.sampling.top_p": self.top_p, "rollout.sampling.max_new_tokens": self.max_new_tokens})
 
 
+@dataclass(frozen=True, eq=False)
+class RoutedExperts:
+    """The experts an MoE engine routed each token to: ``indices [tokens, layers, top_k]``.
+
+    vLLM's ``routed_experts`` layout: rows are the tokens the engine *forwarded* (the prompt and
+    every response token but the last, which was sampled and never fed back: ``Lp + Lr - 1``
+    rows); one column per decoder layer (a dense layer's column means nothing and is never
+    read). int16: up to 32767 experts.
+    """
+
+    indices: np.ndarray  # [tokens, layers, top_k] int16
+
+    def __post_init__(self) -> None:
+        if self.indices.ndim != 3:
+            raise ValueError(f"routed experts must be [tokens, layers, top_k], got shape {self.indices.shape}")
+        object.__setattr__(self, "indices", np.ascontiguousarray(self.indices, dtype=np.int16))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RoutedExperts) and np.array_equal(self.indices, other.indices)
+
+    __hash__ = None  # type: ignore[assignment]  # an array: compared by value, never hashed
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indices.shape[0])
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """One sample to draw: ``request_id`` is unique within a run (e.g. "<step>/<prompt>/<k>")."""
@@ -55,6 +84,7 @@ class GenerationResult:
     logprobs: tuple[float, ...]  # log pi_behav(token) at the sampling temperature, one per response token
     finish_reason: Literal["stop", "length"]
     weight_version: int  # version of the weights every token was sampled with
+    routed_experts: RoutedExperts | None = None  # MoE routes of the forwarded tokens, when asked for
 
 
 @runtime_checkable

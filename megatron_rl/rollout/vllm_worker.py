@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, vllm_score
-from megatron_rl.rollout.types import GenerationRequest, GenerationResult
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
 from megatron_rl.rollout.worker import WorkerSpec
 
 # LLM arguments the engine relies on; vllm_kwargs may not override them.
@@ -72,6 +72,8 @@ class VLLMBackend:
             # prompts exceed max_num_batched_tokens) rewinds its seeded torch.Generator with
             # set_offset, which CPU generators refuse ("CPU Generator does not use offset").
             **({"enable_chunked_prefill": False} if spec.device.kind == "cpu" else {}),
+            # routing replay: CompletionOutput.routed_experts [prompt + response - 1, layers, top_k]
+            **({"enable_return_routed_experts": True} if spec.return_routed_experts else {}),
         } | dict(spec.backend_kwargs)
         self._llm = LLM(
             model=spec.model_path, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
@@ -187,7 +189,9 @@ def _internal_id(out, pending: dict) -> str:
 
 def _result(r: GenerationRequest, completion, weight_version: int) -> GenerationResult:
     tokens = tuple(completion.token_ids)
+    routes = getattr(completion, "routed_experts", None)
     return GenerationResult(
+        routed_experts=None if routes is None else RoutedExperts(routes),
         request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tokens,
         logprobs=tuple(step[t].logprob for step, t in zip(completion.logprobs, tokens, strict=True)),
         finish_reason=_finish_reason(r.request_id, completion.finish_reason), weight_version=weight_version,

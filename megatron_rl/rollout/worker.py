@@ -58,6 +58,7 @@ class WorkerSpec:
     seed: int = 0
     env: Mapping[str, str] = field(default_factory=dict)
     backend_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    return_routed_experts: bool = False  # MoE: return each forwarded token's experts (routing replay)
 
 
 class WorkerBackend(Protocol):

@@ -30,6 +30,7 @@ class TrainerSettings:
     attention: AttentionConfig = AttentionConfig()  # backend
     temperature: float = AlgorithmConfig.temperature  # algorithm.temperature: log-probs at the sampling temperature
     loss: LossSettings
+    routing_replay: bool = False  # algorithm.routing_replay 'rollout': policy and old replay the engine's MoE routes
 
 
 def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torch.nn.Module, DecoderSpec]:
@@ -47,7 +48,7 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
     old, ref = load_frozen_copies(plan, policy_path=Path(settings.hf_path), ref_path=settings.ref_path, **build)
     trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
                         temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0,
-                        logprob_chunk_tokens=t.logprob_chunk_tokens)
+                        logprob_chunk_tokens=t.logprob_chunk_tokens, routing_replay=settings.routing_replay)
     trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss,
                             shared_prompt=settings.attention.shared_prompt)
     return trainer, policy, spec

@@ -47,13 +47,15 @@ def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerS
     model is always ``model.hf_path``."""
     return TrainerSettings(hf_path=policy_path or cfg.model.hf_path, ref_path=cfg.model.hf_path, model=cfg.model,
                            trainer=cfg.trainer, parallel=cfg.parallel, attention=cfg.attention,
-                           temperature=cfg.algorithm.temperature, loss=loss_settings(cfg))
+                           temperature=cfg.algorithm.temperature, loss=loss_settings(cfg),
+                           routing_replay=cfg.algorithm.routing_replay == "rollout")
 
 
 def engine_settings(cfg: Config, *, model_path: str | None = None) -> EngineSettings:
     """``rollout`` as it is; ``model_path``: the weights the engines start from (a resumed
     checkpoint's model; default ``model.hf_path``)."""
-    return EngineSettings(**vars(cfg.rollout), model_path=model_path or cfg.model.hf_path, model_dtype=cfg.model.dtype)
+    return EngineSettings(**vars(cfg.rollout), model_path=model_path or cfg.model.hf_path, model_dtype=cfg.model.dtype,
+                          return_routed_experts=cfg.algorithm.routing_replay == "rollout")
 
 
 def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:

@@ -42,6 +42,7 @@ from megatron_rl.trainer.optimizer_state import save_optimizer_state
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
 from megatron_rl.trainer.policy_weights import PolicyWeights, stage_place
 from megatron_rl.trainer.stop import StopRequest
+from megatron_rl.trimodel.routing import require_routes
 from megatron_rl.weight_sync import SenderSetup, build_sender
 
 
@@ -168,6 +169,8 @@ class LeaderReplica:
     def train_micro_batch(self, mb: MicroBatch) -> None:
         if self.replica.probe is not None:
             self.replica.probe.remember(mb)
+        if self.replica.trainer.trimodel.stage.routing_replay:  # rank 0 sees every sample (others get no groups)
+            require_routes(s for g in mb.groups for s in g.samples)
         if mb.replica == 0:
             self._call("train_micro_batch", mb, remote=False)
         elif self.dispatch is None:

@@ -83,9 +83,11 @@ class TriModel:
         temperature: float = 1.0,
         with_entropy: bool = False,
         logprob_chunk_tokens: int = 4096,
+        routing_replay: bool = False,
     ) -> None:
         """``policy``: the GPTModel stage or a wrapper whose ``.module`` chain ends in it (DDP).
-        ``old`` / ``ref``: GPTModel stages built like the policy, or None where ``plan`` skips them."""
+        ``old`` / ``ref``: GPTModel stages built like the policy, or None where ``plan`` skips them.
+        ``routing_replay``: policy and old take each micro-batch's engine routes (``trimodel/routing.py``)."""
         _check_copy("old", old, plan.old)
         _check_copy("ref", ref, plan.ref)
         self.plan = plan
@@ -99,9 +101,11 @@ class TriModel:
             module.eval()
             if copy_plan.residency is Residency.OFFLOADED:
                 self._offload[name] = HostOffload(module, device=device)
+        if routing_replay:
+            _attach_replay(policy, old)
         self.stage = TriStage(policy=policy, old=old, ref=ref, vocab_size=vocab_size,
                               temperature=temperature, with_entropy=with_entropy,
-                              logprob_chunk_tokens=logprob_chunk_tokens)
+                              logprob_chunk_tokens=logprob_chunk_tokens, routing_replay=routing_replay)
 
     def run(
         self, micro_batches: Sequence[PackedMicroBatch], *, loss: LossFn, forward_only: bool = False,
@@ -118,7 +122,7 @@ class TriModel:
         if not micro_batches:
             raise ValueError("micro_batches is empty")
         items = list(enumerate(micro_batches))
-        with self._onloaded(), self._finalize_on_policy(finalize_grads):
+        with self._onloaded(), self._finalize_on_policy(finalize_grads), self._routes_cleared():
             return run_schedule(
                 self.stage, items,
                 forward_step=lambda stage, item: stage(item[1]),
@@ -163,10 +167,34 @@ class TriModel:
             for offload in self._offload.values():
                 offload.release()
 
+    @contextlib.contextmanager
+    def _routes_cleared(self) -> Iterator[None]:
+        """Replayed routes queued for recompute are dropped when the schedule ends."""
+        try:
+            yield
+        finally:
+            if self.stage.routing_replay:
+                from megatron_rl.trimodel.routing import clear
+
+                for module, _ in self.stage.streams():
+                    clear(module)
+
     def _finalize_on_policy(self, enabled: bool):
         """Megatron's ``finalize_model_grads`` scoped to the policy chunk for one schedule
         (``platform/patches/finalize_grads``), or switched off for it (``enabled=False``)."""
         return scoped_finalize_model_grads(self.stage.config, self.policy, enabled=enabled)
+
+
+def _attach_replay(policy: torch.nn.Module, old: torch.nn.Module | None) -> None:
+    """Routers of the replaying copies get a ``RouterReplay``; a dense model is refused."""
+    from megatron_rl.trimodel.routing import attach_replay, moe_layer_numbers
+
+    config = unwrap(policy).config
+    if not config.num_moe_experts or not moe_layer_numbers(config):
+        raise ValueError("algorithm.routing_replay is 'rollout' but the policy has no MoE layers; set it to 'none'")
+    for module in (policy, old):
+        if module is not None:
+            attach_replay(module)
 
 
 def load_frozen_copies(

@@ -59,9 +59,11 @@ class TriStage(torch.nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         logprob_chunk_tokens: int = 4096,
+        routing_replay: bool = False,
     ) -> None:
         super().__init__()
         self.policy, self.old, self.ref = policy, old, ref
+        self.routing_replay = routing_replay  # policy and old take mb.routed_experts (trimodel/routing.py)
         inner = unwrap(policy)
         self.config = inner.config  # megatron's schedule reads it via get_model_config
         self.model_type = inner.model_type
@@ -92,7 +94,7 @@ class TriStage(torch.nn.Module):
         outs = []
         with packed_attention(mb.layout):
             for module, frozen in self.streams():
-                with torch.no_grad() if frozen else contextlib.nullcontext():
+                with torch.no_grad() if frozen else contextlib.nullcontext(), self._routes(module, mb, device):
                     if not self.post_process:
                         outs.append(module(ids, pos, attention_mask=None))
                         continue
@@ -105,6 +107,17 @@ class TriStage(torch.nn.Module):
         old = outs[1][0] if self.old is not None else policy_lp.detach()
         ref = outs[-1][0] if self.ref is not None else None
         return TriLogprobs(policy=policy_lp, old=old, ref=ref, entropy=policy_ent, old_is_policy=self.old is None)
+
+    def _routes(self, module: torch.nn.Module, mb: PackedMicroBatch, device: torch.device):
+        """The engine's routes forced on ``module``'s routers for its forward (policy and old
+        replay, the reference routes itself: ``trimodel/routing.py`` says why)."""
+        if not self.routing_replay or module is self.ref:
+            return contextlib.nullcontext()
+        if mb.routed_experts is None:
+            raise ValueError("algorithm.routing_replay is 'rollout' but a micro-batch carries no routed experts")
+        from megatron_rl.trimodel.routing import replaying
+
+        return replaying(unwrap(module), mb.routed_experts.to(device), backward=module is self.policy)
 
     def _reduce(self, module: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, frozen: bool):
         """Hidden states ``[N, h]`` of the scored positions -> (log-probs [N], entropy [N] or None)."""
