@@ -62,7 +62,6 @@ def test_chat_messages_round_trip():
 @pytest.mark.parametrize(("env", "key"), [
     ({"kind": "ecko"}, "environment.kind"),
     ({"kind": "none", "options": {"turns": 2}}, "environment.options"),
-    ({"kind": "echo", "options": {"turns": 0}}, "environment.options"),
     ({"kind": "no_such_pkg:Env"}, "environment.kind"),
     ({"kind": "echo", "max_turns": 0}, "environment.max_turns"),
     ({"kind": "echo", "step_timeout_s": 0}, "environment.step_timeout_s"),

@@ -1,6 +1,5 @@
 """What a config points at, checked without starting a run: the prompt file, the model
-directory's config and tokenizer, the dotted paths of ``reward.fn`` and ``control.kind``, and the environment
-(``environment.kind`` with its ``environment.options``).
+directory's config and tokenizer, the dotted paths of ``reward.fn``, ``control.kind`` and ``environment.kind``.
 
 Contract: `check_resources(cfg)` yields ``(key, message)`` naming the key, the value and the fix
 for a data file that is missing or has no rows, a model directory without ``config.json`` or
@@ -32,25 +31,12 @@ def check_resources(cfg: Config) -> Found:
     """Every problem of the files and import paths `cfg` names."""
     yield from check_data_file(cfg.data.source)
     yield from check_model_dir(cfg.model.hf_path)
-    for key, spec in (("reward.fn", cfg.reward.fn), ("control.kind", cfg.control.kind)):
+    for key, spec in (("reward.fn", cfg.reward.fn), ("control.kind", cfg.control.kind),
+                      ("environment.kind", cfg.environment.kind)):
         if ":" in spec:
             _, why = find_dotted(spec)
             if why:
                 yield key, f"{spec!r}: {why}"
-    yield from check_environment(cfg.environment.kind, cfg.environment.options)
-
-
-def check_environment(kind: str, options: dict[str, Any]) -> Found:
-    """environment.kind imports and, with environment.options, makes an Environment."""
-    if kind == "none":
-        return
-    from megatron_rl.environments.loader import load_environment  # imports this module
-
-    try:
-        load_environment(kind, **options)
-    except ValueError as err:  # its message starts with the key it is about
-        key, _, message = str(err).partition(": ")
-        yield key, message
 
 
 def find_dotted(spec: str) -> tuple[Any, str]:
