@@ -41,3 +41,5 @@ def test_recipe_runs_on_a_tiny_model(recipe, tiny_model, tmp_path):
                                  timeout_s=900)
     assert [h["train/version"] for h in history] == [float(v) for v in range(1, steps + 1)]
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps
+    if recipe == "ppo_stale_smollm2":  # the engine probe measures every step; δ masking is on (stale samples too)
+        assert all(h["mismatch_probe/n_tokens"] > 0 and "mismatch/delta_dropped_tokens" in h for h in history)
