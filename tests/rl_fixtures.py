@@ -71,6 +71,11 @@ class RecordingEngine(EngineWrapper):
             RECORDED.append(result)
             yield result
 
+    def generate_stream(self, feed):  # multi-turn: every turn's result
+        for result in self.inner.generate_stream(feed):
+            RECORDED.append(result)
+            yield result
+
 
 RECORDED: list = []
 

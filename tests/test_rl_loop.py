@@ -25,6 +25,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
 @pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory):
+    """Multi-turn: the tiny chat model (turns end at <eos>) and the deterministic echo environment
+    (2 model turns, one user observation between them)."""
+    from tests.multiturn_fixtures import make_tiny_chat_model
+
+    tmp = tmp_path_factory.mktemp("rl_multiturn")
+    model = make_tiny_chat_model(tmp / "model")
+    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+                            environment={"kind": "echo", "options": {"turns": 2}, "max_turns": 3,
+                                         "max_total_tokens": 160},
+                            trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3})
+    return tmp, str(config)
+
+
+@pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
     model = make_tiny_rl_model(tmp / "model")
@@ -83,20 +98,25 @@ VARIANTS = {
     # sync packs whole groups; periodic splits each group across micro-batches (136 < 128 + 4 x 8)
     "dr_grpo_kl_minibatches2_split": (1, ["algorithm.loss=dr_grpo", "algorithm.kl.coef=0.1", "trainer.mini_batches=2"],
                                       ["pipeline.micro_batch_tokens=136"]),
+    # multi-turn trajectories (chat_setup): every turn checked against θ_t like a response, loss mask on
+    "multiturn_echo_dapo_overlong": (1, ["algorithm.loss=dapo", "algorithm.overlong.enabled=true",
+                                         "algorithm.overlong.buffer=4"], []),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_periodic_equals_sync_and_samples_come_from_the_trained_weights(setup, variant):
-    tmp, config = setup
+def test_periodic_equals_sync_and_samples_come_from_the_trained_weights(request, variant):
+    tmp, config = request.getfixturevalue("chat_setup" if variant.startswith("multiturn") else "setup")
     world, common, periodic_only = VARIANTS[variant]
+    multiturn = variant.startswith("multiturn")
+    logged = [f"rollout.record={tmp / variant}.jsonl", f"trainer.log_dir={tmp / variant}_logs"] if multiturn else []
     sync_dir, sync_hist, sync_results = _run(tmp, config, f"{variant}_sync", world, [*common, "pipeline.mode=sync"])
     per_dir, per_hist, per_results = _run(tmp, config, f"{variant}_periodic", world,
                                           [*common, "pipeline.mode=periodic", "rollout.max_batch_size=4",
-                                           *periodic_only])
+                                           *periodic_only, *logged])
     assert_same_update(tmp, sync_dir, per_dir, tol=1e-4)
     for out, results in ((sync_dir, sync_results), (per_dir, per_results)):
-        assert len(results) == 3 * 4 * 4
+        assert len({"/".join(r.request_id.split("/")[:3]) for r in results}) == 3 * 4 * 4  # trajectories
         assert_engine_sampled_from_trained_weights(tmp, out, results)
     mini = 2 if "minibatches2" in variant else 1
     for hist in (sync_hist, per_hist):
@@ -107,6 +127,50 @@ def test_periodic_equals_sync_and_samples_come_from_the_trained_weights(setup, v
     assert all(h["train/overlapped_micro_batches"] == 0 for h in sync_hist)
     if "split" in variant:
         assert all(h["train/micro_batches"] >= 4 for h in per_hist)  # every group went in two parts
+    if multiturn:
+        assert_trained_ids_are_engine_and_template_ids(tmp / f"{variant}.jsonl", per_results)
+        assert any(h["multiturn/turns_mean"] > 1 and h["multiturn/observation_tokens"] > 0 for h in per_hist)
+        assert_multiturn_dashboard(tmp / f"{variant}_logs")
+
+
+def assert_trained_ids_are_engine_and_template_ids(recording, results):
+    """Every trained sample (the queue, recorded) is its engine turns' exact ids with the
+    observation ids between them: each turn's prompt + response is a prefix of the trajectory,
+    the loss mask is 1 exactly on the turns' tokens and the behaviour log-probs are theirs."""
+    from megatron_rl.pipeline.recording import read_recording
+    from megatron_rl.pipeline.records import ScoredGroup
+
+    turns = {}
+    for r in results:
+        turns.setdefault(r.request_id.rsplit("/", 1)[0], []).append(r)
+    samples = [s for item in read_recording(recording) if isinstance(item, ScoredGroup) for s in item.samples]
+    assert len(samples) == 3 * 4 * 4
+    for s in samples:
+        own = sorted(turns[s.request_id], key=lambda r: int(r.request_id.rsplit("/", 1)[1]))
+        full, mask, behav = s.prompt_ids + s.response_ids, [0] * len(s.response_ids), [0.0] * len(s.response_ids)
+        assert len(own) == s.turns
+        for r in own:
+            start = len(r.prompt_ids) - len(s.prompt_ids)
+            assert full[:len(r.prompt_ids) + len(r.response_ids)] == r.prompt_ids + r.response_ids
+            mask[start:start + len(r.response_ids)] = [1] * len(r.response_ids)
+            behav[start:start + len(r.response_ids)] = r.logprobs
+        assert tuple(mask) == s.loss_mask and tuple(behav) == s.behav_logprobs
+
+
+def assert_multiturn_dashboard(log_dir):
+    """tools/plot_metrics.py draws the multi-turn row (3 x 3 panels) from the run's metrics."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from matplotlib.image import imread
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "tools" / "plot_metrics.py"), str(log_dir)], cwd=repo,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    height, width, _ = imread(log_dir / "dashboard.png").shape
+    assert (width, height) == (16 * 80, int(12.5 * 80))
 
 
 def _a3po_loss(tmp, out, results, step, clip=0.2):
