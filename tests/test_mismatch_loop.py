@@ -113,7 +113,9 @@ def test_stale_mode_engine_one_version_behind_is_caught_by_the_probe_at_the_firs
 
 
 def test_stale_mode_synced_engine_probe_logs_round_off_every_step(config):
-    ((status, history),) = run_distributed(_train, 1, config, [*ALARM, *STALE], False, timeout_s=900)
+    """At PP = 2: rank 0 (first stage) scores on the engines, the last stage compares, rank 0 logs."""
+    (status, history), _ = run_distributed(_train, 2, config, [*ALARM, *STALE, "parallel.pp=2"], False,
+                                           timeout_s=900)
     assert status == "done" and len(history) == 3
     for h in history:
         assert h["mismatch_probe/n_tokens"] > 0 and h["probe/sequences"] == 4
