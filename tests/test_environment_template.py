@@ -123,3 +123,5 @@ def test_parse_tool_calls():
     assert [c.error is None for c in calls] == [True, True, False, False, False, False]
     assert "not closed" in calls[-1].error and "JSON" in calls[3].error
     assert parse_tool_calls("no calls here") == []
+    raw = '<tool_call>{"name": "python", "arguments": {"code": "x = 1\nprint(x)"}}</tool_call>'  # a raw newline
+    assert parse_tool_calls(raw)[0].arguments == {"code": "x = 1\nprint(x)"}

@@ -18,7 +18,8 @@ what went wrong (a non-zero exit, a signal, the CPU / wall-clock / output limit)
   ``/usr/bin/python3`` when this one is not executable by the sandbox uid (a virtualenv under
   a private home directory);
 - in its own temporary directory (cwd, HOME and TMPDIR; deleted afterwards), in a new session
-  (the whole process group is killed at the end), with a minimal environment and ``python -I``.
+  (the whole process group is killed at the end), with a minimal environment and ``python -I -S``
+  (the standard library only: no site-packages).
 It can still read world-readable files of the machine; it is a guard against runaway and
 careless code from a policy model, not a jail for a determined attacker.
 """
@@ -43,16 +44,18 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 UID_BASE, UID_COUNT = 61000, 1024  # uids the sandboxes run as when the caller is root
-UNSHARE = ("unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child")
+UNSHARE = (shutil.which("unshare") or "/usr/bin/unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
+           "--kill-child")
 Isolation = Literal["userns", "none"]
-# Sets the limits (as root: lowers the uid first), then execs the sandboxed command.
+# Sets the limits (as root: lowers the uid first), then execs the sandboxed command (an absolute
+# path: after setuid this interpreter may not read its own standard library, so nothing is imported late).
 _LAUNCHER = """import json, os, resource, sys
 spec = json.loads(sys.argv[1])
 if spec["uid"] is not None:
     os.setgroups([]); os.setgid(spec["uid"]); os.setuid(spec["uid"])
 for name, value in spec["limits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
-os.execvp(spec["argv"][0], spec["argv"])
+os.execv(spec["argv"][0], spec["argv"])
 """
 
 
@@ -123,7 +126,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     try:
         work = _workdir(root, uid)
         (root / "main.py").write_text(code)  # read from stdin: tracebacks say "<stdin>", not a temp path
-        argv = [*(UNSHARE if how.isolation == "userns" else ()), how.python, "-I", "-B", "-"]
+        argv = [*(UNSHARE if how.isolation == "userns" else ()), how.python, "-I", "-S", "-B", "-"]
         start = time.perf_counter()
         returncode = _run(argv, root, work, uid, limits)
         seconds = time.perf_counter() - start
@@ -153,7 +156,7 @@ def _run(argv: list[str], root: Path, work: Path, uid: int | None, limits: Sandb
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with (root / "main.py").open("rb") as code, (root / "stdout").open("wb") as out, \
             (root / "stderr").open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _LAUNCHER, spec], cwd=work, env=env,
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, spec], cwd=work, env=env,
                                 stdin=code, stdout=out, stderr=err, start_new_session=True)
         try:
             returncode = proc.wait(timeout=limits.wall_s)
@@ -249,10 +252,10 @@ def setup() -> SandboxSetup:
 
 
 def _starts(python: str, isolation: Isolation) -> bool:
-    argv = [*(UNSHARE if isolation == "userns" else ()), python, "-I", "-c", "pass"]
+    argv = [*(UNSHARE if isolation == "userns" else ()), python, "-I", "-S", "-c", "pass"]
     spec = json.dumps({"uid": UID_BASE if os.geteuid() == 0 else None, "limits": {}, "argv": argv})
     try:
-        done = subprocess.run([sys.executable, "-I", "-c", _LAUNCHER, spec], capture_output=True, timeout=30,
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, spec], capture_output=True, timeout=30,
                               check=False, cwd="/")
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -164,7 +164,7 @@ def _parse_call(body: str, *, closed: bool) -> ToolCall:
     if not closed:
         return ToolCall(name="", error="<tool_call> not closed by </tool_call>")
     try:
-        call = json.loads(body)
+        call = json.loads(body, strict=False)  # raw newlines inside strings (code) are common
     except json.JSONDecodeError as err:
         return ToolCall(name="", error=f"not valid JSON: {err}")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -172,7 +172,7 @@ def _parse_call(body: str, *, closed: bool) -> ToolCall:
     args = call.get("arguments", call.get("parameters", {}))
     if isinstance(args, str):  # OpenAI style: the arguments as a JSON string
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except json.JSONDecodeError as err:
             return ToolCall(name=call["name"], error=f"arguments are not valid JSON: {err}")
     if not isinstance(args, dict):
