@@ -58,6 +58,16 @@ def test_tool_task_turns(kind):
     assert env.step("The product is \\boxed{12}.").reward == 0.0
 
 
+@pytest.mark.parametrize(("kind", "options", "words"), [
+    ("python", {"sandbox": {"cpu_s": 0}}, "positive"), ("python", {"sandbox": {"cpux": 1}}, "cpux"),
+    ("calculator", {"max_tool_calls": 0}, "max_tool_calls"), ("calculator", {"sandbox": {}}, "sandbox"),
+])
+def test_tool_task_refuses_bad_options(kind, options, words):
+    with pytest.raises(ValueError, match=words) as err:
+        load_environment(kind, **options)
+    assert str(err.value).startswith("environment.options:")
+
+
 def test_tool_task_caps_calls_per_turn():
     env = load_environment("calculator", max_tool_calls=2)()
     env.reset({"messages": [{"role": "user", "content": "q"}], "metadata": {}})

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -69,6 +70,11 @@ class SandboxLimits:
     processes: int = 16  # processes / threads it may start (RLIMIT_NPROC)
     output_bytes: int = 8192  # stdout and stderr kept (each); the rest is cut and flagged
     file_mb: int = 16  # largest file it may write, stdout included (RLIMIT_FSIZE)
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in vars(self).items() if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0}
+        if bad:
+            raise ValueError(f"sandbox limits must be positive numbers, got {bad}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,9 +154,10 @@ def _workdir(root: Path, uid: int | None) -> Path:
 
 def _run(argv: list[str], root: Path, work: Path, uid: int | None, limits: SandboxLimits) -> int | None:
     """Start the launcher, wait up to wall_s, kill the session; the exit status (None: killed)."""
-    nproc = limits.processes + (0 if uid is not None else _own_task_count())
-    rlimits = {"RLIMIT_CPU": limits.cpu_s, "RLIMIT_AS": limits.memory_mb << 20, "RLIMIT_NPROC": nproc,
-               "RLIMIT_FSIZE": limits.file_mb << 20, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
+    nproc = int(limits.processes) + (0 if uid is not None else _own_task_count())
+    rlimits = {"RLIMIT_CPU": math.ceil(limits.cpu_s), "RLIMIT_AS": int(limits.memory_mb * 2**20),
+               "RLIMIT_NPROC": nproc, "RLIMIT_FSIZE": int(limits.file_mb * 2**20), "RLIMIT_CORE": 0,
+               "RLIMIT_NOFILE": 256}
     spec = json.dumps({"uid": uid, "limits": rlimits, "argv": argv})
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -193,7 +200,7 @@ def _result(root: Path, returncode: int | None, limits: SandboxLimits, seconds: 
     (stdout, cut_out), (stderr, cut_err) = (_read_capped(root / name, limits.output_bytes)
                                             for name in ("stdout", "stderr"))
     error = _error(returncode, limits)
-    if error and (root / "stdout").stat().st_size >= limits.file_mb << 20:  # Python ignores SIGXFSZ: EFBIG
+    if error and (root / "stdout").stat().st_size >= int(limits.file_mb * 2**20):  # Python ignores SIGXFSZ: EFBIG
         error = f"output size limit ({limits.file_mb} MB) reached; {error}"
     return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, error=error,
                          truncated=cut_out or cut_err, seconds=seconds, network_isolated=network_isolated)

@@ -111,7 +111,7 @@ def render_text(tokenizer: Any, messages: Sequence[Message], tools: Sequence[dic
                                          add_generation_prompt=generation)
 
 
-def _common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_suffix(a: Sequence, b: Sequence) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
         n += 1
