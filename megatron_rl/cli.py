@@ -8,13 +8,44 @@ process is fine for ``tp = pp = 1``. Config errors are reported before anything 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, load and validate the config, run the command; the exit status."""
+    args = _parse_args(argv)
+    # megatron-core warns at import that Apex / Transformer Engine are absent (expected off CUDA).
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+
+    from megatron_rl.config import ConfigError, load_config
+
+    try:
+        # check-config and train also check the data file, the tokenizer and the dotted paths
+        files = args.command == "train" or (args.command == "check-config" and not args.no_files)
+        cfg = load_config(args.config, args.overrides, resources=files)
+    except ConfigError as err:
+        print(f"megatron_rl: invalid config:\n{err}", file=sys.stderr)
+        return 2
+    return _run(cfg, args)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command and its flags; ``a.b=c`` overrides may also follow the flags."""
     parser = argparse.ArgumentParser(prog="megatron_rl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_tool_commands(sub)
+    args, extra = parser.parse_known_args(argv)
+    if unknown := [a for a in extra if a.startswith("-") or "=" not in a]:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
+    return args
+
+
+def _add_run_commands(sub) -> None:
+    """``train`` (and ``--rollout-only``) and ``replay``."""
     train = sub.add_parser("train", help="run RL training from a YAML config")
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
@@ -26,53 +57,44 @@ def main(argv: list[str] | None = None) -> int:
     replay.add_argument("recording", help="JSONL written by rollout.record")
     replay.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     replay.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu", "emulated"])
-    bench = sub.add_parser("bench", help="measure throughput: e2e loop, trainer alone or engines alone (JSON line)")
-    bench.add_argument("config", help="YAML config file (see examples/)")
-    bench.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    from megatron_rl.bench.options import add_arguments as add_bench_arguments
 
-    add_bench_arguments(bench)
-    plan = sub.add_parser("plan", help="print ranks, engines and memory per training device; refuse what does not fit")
-    plan.add_argument("config", help="YAML config file (see examples/recipes/)")
-    plan.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+
+def _add_tool_commands(sub) -> None:
+    """``bench``, ``plan`` and ``check-config``, each with its module's flags."""
+    from megatron_rl.bench.options import add_arguments as add_bench_arguments
     from megatron_rl.plan.command import add_arguments as add_plan_arguments
 
-    add_plan_arguments(plan)
+    for name, help_, config_help, add in (
+        ("bench", "measure throughput: e2e loop, trainer alone or engines alone (JSON line)",
+         "YAML config file (see examples/)", add_bench_arguments),
+        ("plan", "print ranks, engines and memory per training device; refuse what does not fit",
+         "YAML config file (see examples/recipes/)", add_plan_arguments),
+    ):
+        command = sub.add_parser(name, help=help_)
+        command.add_argument("config", help=config_help)
+        command.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
+        add(command)
     check = sub.add_parser("check-config", help="load and validate a config, print it resolved")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
     check.add_argument("--no-files", action="store_true",
                        help="skip the data file, tokenizer and dotted-path checks (e.g. a recipe whose model "
                        "and data live on the cluster)")
-    args, extra = parser.parse_known_args(argv)
-    if unknown := [a for a in extra if a.startswith("-") or "=" not in a]:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides += extra  # a.b=c overrides may also follow the flags
-    # megatron-core warns at import that Apex / Transformer Engine are absent (expected off CUDA).
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
 
-    from megatron_rl.config import ConfigError, config_to_dict, load_config
 
-    try:
-        # check-config and train also check the data file, the tokenizer and the dotted paths
-        files = args.command == "train" or (args.command == "check-config" and not args.no_files)
-        cfg = load_config(args.config, args.overrides, resources=files)
-    except ConfigError as err:
-        print(f"megatron_rl: invalid config:\n{err}", file=sys.stderr)
-        return 2
+def _run(cfg, args: argparse.Namespace) -> int:
+    """Run the parsed command on the validated config."""
     if args.command == "check-config":
         import yaml
 
+        from megatron_rl.config import config_to_dict
+
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0
-    if args.command == "plan":
-        from megatron_rl.plan.command import plan_command
-
-        return plan_command(cfg, args)
-    if args.command == "bench":
-        from megatron_rl.bench.runner import bench_command
-
-        return bench_command(cfg, args)
+    if args.command in ("plan", "bench"):
+        module, function = {"plan": ("megatron_rl.plan.command", "plan_command"),
+                            "bench": ("megatron_rl.bench.runner", "bench_command")}[args.command]
+        return getattr(importlib.import_module(module), function)(cfg, args)
     if args.command == "train" and args.rollout_only:
         from megatron_rl.trainer.rollout_only import generate_only
 

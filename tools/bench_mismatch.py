@@ -76,25 +76,42 @@ def _trainer_logprobs(model, spec, results, temperature: float):
     return logp, mask
 
 
-def bench(args: argparse.Namespace) -> dict:
-    import torch
-    from transformers import AutoTokenizer
-
-    from megatron_rl.algorithms import RolloutCorrection, rollout_correction
-    from megatron_rl.config.schema import SamplingConfig
-    from megatron_rl.models import load_model_from_hf, save_hf_checkpoint
-    from megatron_rl.parallel.state import destroy_parallel, initialize_parallel
-    from megatron_rl.rollout import EngineSettings, GenerationRequest, SamplingSettings, build_engine
-    from megatron_rl.weight_sync.snapshot import SnapshotUpdate
-
-    work = Path(tempfile.mkdtemp(prefix="bench_mismatch_"))
-    model_dir = Path(args.model)
+def _model_dir(args: argparse.Namespace, work: Path) -> Path:
+    """The checkpoint to measure: a tiny random one (``--tiny``) or ``--model``."""
     if args.tiny:
         from megatron_rl.models.synthetic import write_char_llama
 
-        model_dir = write_char_llama(work / "tiny", hidden=64, layers=2, heads=2, kv_heads=2, seed=args.seed)
-    elif not (model_dir / "config.json").is_file():
-        raise SystemExit(f"no checkpoint at {model_dir}: run `python tools/prepare_model.py`, or pass --tiny")
+        return write_char_llama(work / "tiny", hidden=64, layers=2, heads=2, kv_heads=2, seed=args.seed)
+    if not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"no checkpoint at {args.model}: run `python tools/prepare_model.py`, or pass --tiny")
+    return Path(args.model)
+
+
+def _requests(args: argparse.Namespace, model_dir: Path) -> list:
+    """``--groups`` x ``--group-size`` seeded sampling requests over the fixed prompts."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.rollout import GenerationRequest, SamplingSettings
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+    return [GenerationRequest(
+        request_id=f"{g}/{k}", prompt_ids=tuple(tok.encode(PROMPTS[g % len(PROMPTS)])),
+        sampling=SamplingSettings(temperature=args.temperature, top_p=args.top_p, stop_token_ids=stop,
+                                  max_new_tokens=args.max_new_tokens, seed=args.seed * 1000 + g * 100 + k))
+        for g in range(args.groups) for k in range(args.group_size)]
+
+
+def _generate(args: argparse.Namespace, model_dir: Path, work: Path):
+    """Sync the (perturbed) trainer model into a fresh engine and sample; (model, spec, results, sync_s)."""
+    import torch
+
+    from megatron_rl.config.schema import SamplingConfig
+    from megatron_rl.models import load_model_from_hf, save_hf_checkpoint
+    from megatron_rl.parallel.state import initialize_parallel
+    from megatron_rl.rollout import EngineSettings, build_engine
+    from megatron_rl.weight_sync.snapshot import SnapshotUpdate
+
     # The engine first: its worker processes must not inherit this process's rendezvous variables.
     engine = build_engine(EngineSettings(engine=args.engine, model_path=str(model_dir), dtype=args.engine_dtype,
                                          sampling=SamplingConfig(seed=args.seed)))
@@ -108,18 +125,22 @@ def bench(args: argparse.Namespace) -> dict:
             save_hf_checkpoint(model, spec, work / "v1", source_dir=model_dir)
             engine.load_weights(SnapshotUpdate(str(work / "v1")), 1)
         sync_s = time.perf_counter() - start
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-        requests = [
-            GenerationRequest(
-                request_id=f"{g}/{k}", prompt_ids=tuple(tok.encode(PROMPTS[g % len(PROMPTS)])),
-                sampling=SamplingSettings(temperature=args.temperature, top_p=args.top_p, stop_token_ids=stop,
-                                          max_new_tokens=args.max_new_tokens, seed=args.seed * 1000 + g * 100 + k))
-            for g in range(args.groups) for k in range(args.group_size)
-        ]
-        results = sorted(engine.generate(requests), key=lambda r: r.request_id)
+        results = sorted(engine.generate(_requests(args, model_dir)), key=lambda r: r.request_id)
     finally:
         engine.shutdown()
+    return model, spec, results, sync_s
+
+
+def bench(args: argparse.Namespace) -> dict:
+    """The mismatch metrics of the engine's samples against the trainer's log-probs, as one dict."""
+    import torch
+
+    from megatron_rl.algorithms import RolloutCorrection, rollout_correction
+    from megatron_rl.parallel.state import destroy_parallel
+
+    work = Path(tempfile.mkdtemp(prefix="bench_mismatch_"))
+    model_dir = _model_dir(args, work)
+    model, spec, results, sync_s = _generate(args, model_dir, work)
     logp, mask = _trainer_logprobs(model, spec, results, args.temperature)
     behav = torch.zeros_like(logp)
     for i, r in enumerate(results):

@@ -60,53 +60,45 @@ def run_config(args, model: Path, mode: str) -> dict:
     }
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    os.sched_setaffinity(0, {args.trainer_core})
-    import torch
-
-    torch.set_num_threads(1)
+def _step_times(args) -> dict[str, list[dict]]:
+    """The measured steps' metrics of ``--rounds`` sync and periodic runs each, by mode."""
     from megatron_rl.config import config_from_dict
     from megatron_rl.models.synthetic import write_char_llama
     from megatron_rl.trainer.loop import train
 
     times: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_char_llama(
-            Path(tmp) / "model",
-            hidden=args.hidden,
-            layers=args.layers,
-            heads=args.hidden // 64,
-            kv_heads=args.hidden // 64,
-        )
+        model = write_char_llama(Path(tmp) / "model", hidden=args.hidden, layers=args.layers,
+                                 heads=args.hidden // 64, kv_heads=args.hidden // 64)
         for _ in range(args.rounds):
             for mode in ("sync", "periodic"):
                 history = train(config_from_dict(run_config(args, model, mode)), platform="cpu")
                 times.setdefault(mode, []).extend(history[args.warmup :])
-    sync_s = statistics.mean(h["time/step_s"] for h in times["sync"])
-    periodic_s = statistics.mean(h["time/step_s"] for h in times["periodic"])
-    gen_s = statistics.mean(h["time/queue_wait_s"] for h in times["sync"])
-    train_s = statistics.mean(h["time/train_s"] for h in times["sync"])
-    sync_cost = statistics.mean(h["time/weight_sync_s"] for h in times["sync"])
-    print(
-        json.dumps(
-            {
-                "sync_s": round(sync_s, 3),
-                "periodic_s": round(periodic_s, 3),
-                "gen_s": round(gen_s, 3),
-                "train_s": round(train_s, 3),
-                "weight_sync_s": round(sync_cost, 3),
-                "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
-                "steps_timed": len(times["sync"]), "rounds": args.rounds,
-                "prompts": args.prompts,
-                "group_size": args.group_size,
-                "max_new_tokens": args.max_new_tokens,
-                "model": {"hidden": args.hidden, "layers": args.layers},
-                "cores": {"trainer": args.trainer_core, "engine": args.engine_core},
-            }
-        ),
-        flush=True,
-    )
+    return times
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.sched_setaffinity(0, {args.trainer_core})
+    import torch
+
+    torch.set_num_threads(1)
+    times = _step_times(args)
+
+    def mean(mode: str, key: str) -> float:
+        return statistics.mean(h[key] for h in times[mode])
+
+    sync_s, periodic_s = mean("sync", "time/step_s"), mean("periodic", "time/step_s")
+    gen_s, train_s = mean("sync", "time/queue_wait_s"), mean("sync", "time/train_s")
+    print(json.dumps({
+        "sync_s": round(sync_s, 3), "periodic_s": round(periodic_s, 3), "gen_s": round(gen_s, 3),
+        "train_s": round(train_s, 3), "weight_sync_s": round(mean("sync", "time/weight_sync_s"), 3),
+        "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
+        "steps_timed": len(times["sync"]), "rounds": args.rounds, "prompts": args.prompts,
+        "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
+        "model": {"hidden": args.hidden, "layers": args.layers},
+        "cores": {"trainer": args.trainer_core, "engine": args.engine_core},
+    }), flush=True)
 
 
 if __name__ == "__main__":

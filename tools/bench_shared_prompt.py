@@ -60,19 +60,13 @@ def attention_flops_ratio(lp: int, lr: int, k: int) -> float:
     return copies / packed
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def _steps(args, model, spec):
+    """(packed step, K-copies step, packed micro-batch, copies tensor): one forward + backward of
+    the same group, shared-prompt packed vs K full copies."""
     from megatron_rl.attention.context import packed_attention
     from megatron_rl.attention.packing import TokenGroup, pack_groups
-    from megatron_rl.models import load_model_from_hf
-    from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs
 
-    initialize_parallel(tp=1, pp=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        model, spec = load_model_from_hf(tiny_checkpoint(args, Path(tmp) / "model"), attention_backend=args.backend)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, args.vocab, (args.lp,), generator=g)
     responses = [torch.randint(0, args.vocab, (args.lr,), generator=g) for _ in range(args.k)]
@@ -91,35 +85,46 @@ def main(argv=None) -> None:
         lp = vocab_parallel_logprobs(logits[:, args.lp - 1 : -1], copies[:, args.lp :], vocab_size=spec.vocab_size)
         lp.sum().backward()
 
-    times: dict[str, list[float]] = {"packed": [], "copies": []}
-    for step in (packed_step, copies_step):  # warm-up (plans, allocator)
+    return packed_step, copies_step, mb, copies
+
+
+def _median_times(model, steps: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each step after one warm-up call (plans, allocator)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
         step()
-    for _ in range(args.repeats):
-        for name, step in (("packed", packed_step), ("copies", copies_step)):
+    for _ in range(repeats):
+        for name, step in steps.items():
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    packed_s, copies_s = statistics.median(times["packed"]), statistics.median(times["copies"])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from megatron_rl.models import load_model_from_hf
+    from megatron_rl.parallel.state import initialize_parallel
+
+    initialize_parallel(tp=1, pp=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, spec = load_model_from_hf(tiny_checkpoint(args, Path(tmp) / "model"), attention_backend=args.backend)
+    packed_step, copies_step, mb, copies = _steps(args, model, spec)
+    median = _median_times(model, {"packed": packed_step, "copies": copies_step}, args.repeats)
+    packed_s, copies_s = median["packed"], median["copies"]
     tokens_ratio = copies.numel() / mb.num_tokens
-    print(
-        json.dumps(
-            {
-                "lp": args.lp,
-                "lr": args.lr,
-                "k": args.k,
-                "tokens_ratio": round(tokens_ratio, 3),
-                "attn_flops_ratio": round(attention_flops_ratio(args.lp, args.lr, args.k), 3),
-                "time_ratio": round(copies_s / packed_s, 3),
-                "time_ratio_over_tokens_ratio": round(copies_s / packed_s / tokens_ratio, 3),
-                "backend": args.backend,
-                "k_copies_s": round(copies_s, 4),
-                "packed_s": round(packed_s, 4),
-                "threads": torch.get_num_threads(),
-                "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
-            }
-        )
-    )
+    print(json.dumps({
+        "lp": args.lp, "lr": args.lr, "k": args.k, "tokens_ratio": round(tokens_ratio, 3),
+        "attn_flops_ratio": round(attention_flops_ratio(args.lp, args.lr, args.k), 3),
+        "time_ratio": round(copies_s / packed_s, 3),
+        "time_ratio_over_tokens_ratio": round(copies_s / packed_s / tokens_ratio, 3),
+        "backend": args.backend, "k_copies_s": round(copies_s, 4), "packed_s": round(packed_s, 4),
+        "threads": torch.get_num_threads(),
+        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
+    }))
 
 
 if __name__ == "__main__":

@@ -192,29 +192,29 @@ def worker(args: argparse.Namespace) -> int:
         "prox_loglinear_s": lambda: _loglinear_step(prox_inputs),
         "prox_recompute_s": lambda: _separate_step([old], mbs, vocab, train_first=False),
     }
+    times = _median_times(steps, args.repeats, policy)
+    if dist.get_rank() == 0:
+        out = {**times, "ratio": times["fused_s"] / times["separate_s"]}
+        out.update(tp=args.tp, pp=args.pp, micro_batches=len(mbs), tokens=sum(mb.num_tokens for mb in mbs),
+                   response_tokens=sum(mb.target_ids.numel() for mb in mbs), repeats=args.repeats,
+                   model=args.model or f"random qwen3 {args.layers}x{args.hidden}", threads=torch.get_num_threads())
+        print(json.dumps(out), flush=True)
+    dist.barrier()
+    return 0
+
+
+def _median_times(steps: dict, repeats: int, policy) -> dict[str, float]:
+    """Median seconds of each step over ``repeats`` rounds (a first warm-up round is dropped)."""
+    import torch.distributed as dist
+
     times: dict[str, list[float]] = {k: [] for k in steps}
-    for rep in range(args.repeats + 1):  # the first round warms up and is dropped
+    for rep in range(repeats + 1):
         for key, fn in steps.items():
             policy.zero_grad(set_to_none=True)
             t = _timed(fn, dist.barrier)
             if rep:
                 times[key].append(t)
-    if dist.get_rank() == 0:
-        out = {k: statistics.median(v) for k, v in times.items()}
-        out["ratio"] = out["fused_s"] / out["separate_s"]
-        out.update(
-            tp=args.tp,
-            pp=args.pp,
-            micro_batches=len(mbs),
-            tokens=sum(mb.num_tokens for mb in mbs),
-            response_tokens=sum(mb.target_ids.numel() for mb in mbs),
-            repeats=args.repeats,
-            model=args.model or f"random qwen3 {args.layers}x{args.hidden}",
-            threads=torch.get_num_threads(),
-        )
-        print(json.dumps(out), flush=True)
-    dist.barrier()
-    return 0
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

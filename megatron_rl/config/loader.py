@@ -154,21 +154,10 @@ def apply_override(data: dict[str, Any], override: str, origins: Origins) -> Pro
         return Problem(key=key, message=f"value {text!r} is not valid YAML: {exc}", where=COMMAND_LINE)
     parts, cls, node = key.split("."), Config, data
     for i, part in enumerate(parts):
-        path = ".".join(parts[: i + 1])
         if cls is not None:
-            types_ = field_types(cls)
-            if part not in types_:
-                return Problem(key=path, message=f"unknown key ({suggest(part, types_)})", where=COMMAND_LINE)
-            tp = types_[part]
-            if i < len(parts) - 1:
-                if dataclasses.is_dataclass(tp):
-                    cls = tp
-                elif typing.get_origin(tp) is dict:
-                    cls = None  # pass-through: the rest of the path is the upstream library's
-                else:
-                    return Problem(
-                        key=path, message=f"is a {describe(tp)}, not a section", where=COMMAND_LINE
-                    )
+            cls, problem = _descend(cls, parts, i)
+            if problem is not None:
+                return problem
         if i == len(parts) - 1:
             node[part] = value
         else:
@@ -177,6 +166,23 @@ def apply_override(data: dict[str, Any], override: str, origins: Origins) -> Pro
             node = node[part]
     origins.set(key, COMMAND_LINE)
     return None
+
+
+def _descend(cls: type, parts: list[str], i: int) -> tuple[type | None, Problem | None]:
+    """The section class under ``parts[i]`` of ``cls`` (None inside a pass-through dict), or the
+    Problem of an unknown key or a non-section in the middle of the path."""
+    path, part = ".".join(parts[: i + 1]), parts[i]
+    types_ = field_types(cls)
+    if part not in types_:
+        return None, Problem(key=path, message=f"unknown key ({suggest(part, types_)})", where=COMMAND_LINE)
+    tp = types_[part]
+    if i == len(parts) - 1:
+        return cls, None
+    if dataclasses.is_dataclass(tp):
+        return tp, None
+    if typing.get_origin(tp) is dict:
+        return None, None  # pass-through: the rest of the path is the upstream library's
+    return None, Problem(key=path, message=f"is a {describe(tp)}, not a section", where=COMMAND_LINE)
 
 
 def _build(
