@@ -80,8 +80,7 @@ def end_of_turn_id(tokenizer: Any, tools: Sequence[dict] = ()) -> int:
 def _after_assistant(tokenizer: Any, observation: tuple[Message, ...], tools: tuple[dict, ...]) -> tuple[int, ...]:
     """Ids from the token closing a dummy assistant turn through `observation` and the next
     generation header; TemplateError if the template is not prefix-stable."""
-    prompt = render_text(tokenizer, _HEAD, tools, generation=True)
-    header = prompt[len(render_text(tokenizer, _HEAD, tools, generation=False)):]
+    prompt, header = _head(tokenizer, tokenizer.chat_template, json.dumps(tools))  # key order kept: it is rendered
     full, other = (render_text(tokenizer, [*_HEAD, {"role": "assistant", "content": text}, *observation], tools,
                                generation=True) for text in ("A", "B"))
     if not full.startswith(prompt):
@@ -97,6 +96,14 @@ def _after_assistant(tokenizer: Any, observation: tuple[Message, ...], tools: tu
         raise TemplateError(f"chat template: the text after an assistant turn ({tail!r:.200}) does not start with "
                             "one end-of-turn token or tokenizes differently in context")
     return ids
+
+
+@functools.lru_cache(maxsize=16)
+def _head(tokenizer: Any, template: str, tools_json: str) -> tuple[str, str]:
+    """(the dummy prompt with its generation header, that header) for this template and tools."""
+    tools = json.loads(tools_json)
+    prompt = render_text(tokenizer, _HEAD, tools, generation=True)
+    return prompt, prompt[len(render_text(tokenizer, _HEAD, tools, generation=False)):]
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
