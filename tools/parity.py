@@ -1,11 +1,13 @@
 """Check a local HF checkpoint against its megatron-core TP/PP build: logits and log-probs.
 
     python tools/parity.py --model <hf dir> --tp 2 --pp 1
+    python tools/parity.py --model <hf MoE dir> --tp 2 --ep 2   # Qwen3-MoE, Qwen2-MoE, Mixtral
 
-Starts the ``tp * pp`` ranks it needs itself (torchrun), builds the sharded megatron model
-from the checkpoint, runs the same token batch through it and through HF transformers
-(fp32), and prints one JSON line:
-``{"max_abs_logit_diff": ..., "max_abs_logprob_diff": ..., "tp": ..., "pp": ...}``.
+Starts the ``tp * pp * ep`` ranks it needs itself (torchrun; EP splits the routed experts
+over ``ep`` data-parallel ranks), builds the sharded megatron model from the checkpoint, runs
+the same token batch through it and through HF transformers (fp32), and prints one JSON line:
+``{"max_abs_logit_diff": ..., "max_abs_logprob_diff": ..., "tp": ..., "pp": ..., "ep": ...}``
+(the largest difference over every rank).
 Exit status 1 when a difference exceeds ``--tolerance``.
 """
 
@@ -23,6 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="local HF checkpoint directory (safetensors)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -32,8 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Re-run this script under torchrun with tp * pp ranks; relay rank 0's JSON line."""
-    nproc = args.tp * args.pp
+    """Re-run this script under torchrun with tp * pp * ep ranks; relay rank 0's JSON line."""
+    nproc = args.tp * args.pp * args.ep
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, *argv]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
     return subprocess.run(cmd, env=env).returncode
@@ -46,9 +49,9 @@ def worker(args: argparse.Namespace) -> int:
 
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.inference import forward_logits, forward_logprobs
-    from megatron_rl.parallel.state import initialize_parallel
+    from megatron_rl.parallel.state import host_world_group, initialize_parallel
 
-    initialize_parallel(tp=args.tp, pp=args.pp, seed=args.seed)
+    initialize_parallel(tp=args.tp, pp=args.pp, ep=args.ep, seed=args.seed)
     model, spec = load_model_from_hf(args.model, params_dtype=torch.float32)
     model.eval()
     ids = torch.randint(
@@ -56,20 +59,18 @@ def worker(args: argparse.Namespace) -> int:
     )
     logits = forward_logits(model, ids, vocab_size=spec.vocab_size)
     logprobs = forward_logprobs(model, ids, vocab_size=spec.vocab_size, temperature=args.temperature)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+    ref_lp = torch.log_softmax(ref[:, :-1] / args.temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    diffs = torch.tensor([(logits - ref).abs().max().item(), (logprobs - ref_lp).abs().max().item()])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=host_world_group())
     status = 0
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        with torch.no_grad():
-            ref = hf(ids).logits.float()
-        ref_lp = torch.log_softmax(ref[:, :-1] / args.temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        result = {
-            "max_abs_logit_diff": (logits - ref).abs().max().item(),
-            "max_abs_logprob_diff": (logprobs - ref_lp).abs().max().item(),
-            "tp": args.tp,
-            "pp": args.pp,
-        }
+        result = {"max_abs_logit_diff": diffs[0].item(), "max_abs_logprob_diff": diffs[1].item(),
+                  "tp": args.tp, "pp": args.pp, "ep": args.ep}
         print(json.dumps(result), flush=True)
         status = int(result["max_abs_logit_diff"] > args.tolerance)
     dist.barrier()
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl.models.hf_config import check_parallel_fit, decoder_spec_from_hf, read_hf_config
 
         try:
-            check_parallel_fit(decoder_spec_from_hf(read_hf_config(args.model)), args.tp, args.pp)
+            check_parallel_fit(decoder_spec_from_hf(read_hf_config(args.model)), args.tp, args.pp, args.ep)
         except (ValueError, FileNotFoundError) as err:
             print(f"parity.py: --model {args.model}: {err}", file=sys.stderr)
             return 2

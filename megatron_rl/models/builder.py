@@ -15,15 +15,17 @@ from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size, transfo
 from megatron_rl.models.positions import PositionIndexedRotary
 
 
-def gpt_layer_spec(spec: DecoderSpec, attention_backend: str | None = None):
-    """The local-spec transformer layer for ``spec``.
+def gpt_layer_spec(spec: DecoderSpec, attention_backend: str | None = None, *, sparse: bool = False):
+    """The local-spec transformer layer for ``spec`` (``sparse``: its MLP is the MoE block).
 
     ``attention_backend`` (auto | reference | split | flex | triton | npu) swaps megatron's
     ``DotProductAttention`` for shared-prompt attention; None keeps megatron's own.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    layer = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    experts = spec.moe.num_experts if sparse and spec.moe is not None else None
+    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm,
+                                     normalization="RMSNorm")
     if attention_backend is not None:
         from megatron_rl.attention.core_attention import SharedPromptCoreAttention
 
@@ -31,6 +33,26 @@ def gpt_layer_spec(spec: DecoderSpec, attention_backend: str | None = None):
             SharedPromptCoreAttention, backend=attention_backend
         )
     return layer
+
+
+def decoder_block_spec(spec: DecoderSpec, config, attention_backend: str | None = None):
+    """This PP stage's layer specs: one spec for every layer of a dense model; for a MoE model
+    each layer's own (MoE or dense MLP, ``MoeSpec.sparse_layers``), cut to the stage's layers."""
+    if spec.moe is None:
+        return gpt_layer_spec(spec, attention_backend)
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_rl.platform.patches import moe_off_cuda
+
+    moe_off_cuda.apply()
+    layers = [gpt_layer_spec(spec, attention_backend, sparse=s) for s in spec.moe.sparse_layers]
+    offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=layers[offset:offset + count], layer_norm=LayerNormImpl)
 
 
 @functools.cache
@@ -72,7 +94,7 @@ def build_gpt_model(
     config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides)
     model = _gpt_model_class()(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(spec, attention_backend),
+        transformer_layer_spec=decoder_block_spec(spec, config, attention_backend),
         vocab_size=padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

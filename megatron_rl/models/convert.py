@@ -9,12 +9,16 @@ and how it is split across tensor-parallel ranks:
 - ``qkv``: q, k, v fused per query group: for each KV group g the rows are
   ``[q heads of g; k_g; v_g]`` (megatron's ``linear_qkv`` layout); TP splits whole groups.
 - ``fc1``: gate and up projections; TP rank r holds ``[gate_r; up_r]``.
+- ``expert_fc1`` / ``expert_fc2``: one routed expert's ``fc1`` / ``cols`` (MoE layers). Local
+  expert j of expert-parallel rank e is HF expert ``e * E / ep + j`` (megatron's order); the
+  expert tensor-parallel size is megatron's default, the TP size.
 
 Conversion is exact (pure reshapes and concatenations), so HF -> megatron -> HF is bit-exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,16 +28,23 @@ import torch
 
 from megatron_rl.models.hf_config import DecoderSpec
 
-Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1"]
+Kind = Literal["replicated", "cols", "vocab", "qkv", "fc1", "expert_fc1", "expert_fc2"]
+EXPERT_KINDS = ("expert_fc1", "expert_fc2")
 
 
 @dataclass(frozen=True)
 class ParamRule:
-    """How one megatron parameter (name pattern with ``{i}`` = layer) maps to HF tensors."""
+    """How one megatron parameter (name pattern with ``{i}`` = layer) maps to HF tensors.
+
+    MoE names (``{router}``, ``{gate}``, ``{up}``, ``{down}``) come from the family's
+    ``MoeSpec``; a routed expert's rule, as ``match_rule`` returns it, also carries its local
+    index and the expert-parallel size (its HF names are those of every EP rank's expert)."""
 
     mcore: str
     hf: tuple[str, ...]
     kind: Kind
+    expert: int | None = None  # local expert index (expert kinds)
+    ep: int = 1  # expert-parallel size (expert kinds)
 
 
 LAYER_RULES = (
@@ -73,30 +84,58 @@ LAYER_RULES = (
     ),
     ParamRule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "cols"),
 )
+MOE_RULES = (
+    ParamRule("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.{router}",), "replicated"),
+    ParamRule(
+        "decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight",
+        ("model.layers.{i}.{gate}", "model.layers.{i}.{up}"),
+        "expert_fc1",
+    ),
+    ParamRule("decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight", ("model.layers.{i}.{down}",),
+              "expert_fc2"),
+    ParamRule(
+        "decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight",
+        ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "model.layers.{i}.mlp.shared_expert.up_proj.weight"),
+        "fc1",
+    ),
+    ParamRule("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
+              ("model.layers.{i}.mlp.shared_expert.down_proj.weight",), "cols"),
+    ParamRule("decoder.layers.{i}.mlp.shared_experts.gate_weight", ("model.layers.{i}.mlp.shared_expert_gate.weight",),
+              "replicated"),
+)
 GLOBAL_RULES = (
     ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
     ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     ParamRule("output_layer.weight", ("lm_head.weight",), "vocab"),
 )
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """Where this rank's shard sits: TP rank/size and the megatron padded vocabulary."""
+    """Where this rank's shard sits: TP rank/size, the megatron padded vocabulary, and the
+    expert-parallel rank (the expert tensor-parallel rank is the TP rank)."""
 
     tp_rank: int
     tp_size: int
     padded_vocab: int
+    ep_rank: int = 0
+    ep_size: int = 1
 
 
-def match_rule(local_name: str, layer_offset: int) -> tuple[ParamRule, int | None]:
-    """Find the rule for a megatron parameter name; return it and the global layer index."""
+def match_rule(local_name: str, layer_offset: int, ep: int = 1) -> tuple[ParamRule, int | None]:
+    """Find the rule for a megatron parameter name; return it and the global layer index
+    (``ep``: the expert-parallel size, for routed experts' names)."""
     m = _LAYER_NAME.match(local_name)
     if m:
         layer, rest = int(m.group(1)) + layer_offset, m.group(2)
-        for rule in LAYER_RULES:
-            if rule.mcore.split("{i}.", 1)[1] == rest:
+        expert = _EXPERT_NAME.match(rest)
+        for rule in (*LAYER_RULES, *MOE_RULES):
+            pattern = rule.mcore.split("{i}.", 1)[1]
+            if expert and pattern == f"mlp.experts.local_experts.{{j}}.{expert.group(2)}":
+                return dataclasses.replace(rule, expert=int(expert.group(1)), ep=ep), layer
+            if pattern == rest:
                 return rule, layer
     for rule in GLOBAL_RULES:
         if rule.mcore == local_name:
@@ -105,10 +144,27 @@ def match_rule(local_name: str, layer_offset: int) -> tuple[ParamRule, int | Non
 
 
 def hf_names(rule: ParamRule, layer: int | None, spec: DecoderSpec) -> tuple[str, ...]:
-    """The HF tensor names that feed ``rule`` (the tied output layer reads the embedding)."""
+    """The HF tensor names that feed ``rule`` (the tied output layer reads the embedding); for
+    a routed expert, those of the expert at every EP rank, EP rank major (the export order)."""
     if rule.mcore == "output_layer.weight" and spec.tie_word_embeddings:
         return ("model.embed_tokens.weight",)
-    return tuple(n.format(i=layer) for n in rule.hf)
+    if spec.moe is None:
+        return tuple(n.format(i=layer) for n in rule.hf)
+    gate, up, down = spec.moe.expert_hf_names
+    names = tuple(n.format(i=layer, router=spec.moe.router_hf_name, gate=gate, up=up, down=down) for n in rule.hf)
+    if rule.kind not in EXPERT_KINDS:
+        return names
+    per_rank = spec.moe.num_experts // rule.ep
+    return tuple(n.format(e=e * per_rank + rule.expert) for e in range(rule.ep) for n in names)
+
+
+def load_names(rule: ParamRule, layer: int | None, spec: DecoderSpec, shard: ShardInfo) -> tuple[str, ...]:
+    """The HF tensor names this rank's shard of ``rule`` is cut from (``hf_to_shard``'s input)."""
+    names = hf_names(rule, layer, spec)
+    if rule.kind not in EXPERT_KINDS:
+        return names
+    per = len(names) // rule.ep
+    return names[shard.ep_rank * per:(shard.ep_rank + 1) * per]
 
 
 def _qkv_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: DecoderSpec) -> torch.Tensor:
@@ -130,7 +186,8 @@ def _ungroup_qkv(qkv: torch.Tensor, spec: DecoderSpec) -> tuple[torch.Tensor, ..
 
 
 def hf_to_shard(rule: ParamRule, tensors: Sequence[torch.Tensor], spec: DecoderSpec, shard: ShardInfo) -> torch.Tensor:
-    """Build this TP rank's shard of one megatron parameter from its HF tensors."""
+    """Build this TP rank's shard of one megatron parameter from its HF tensors
+    (``load_names``: for a routed expert, this EP rank's expert only)."""
     r, tp = shard.tp_rank, shard.tp_size
     if rule.kind == "replicated":
         return tensors[0]
@@ -143,14 +200,21 @@ def hf_to_shard(rule: ParamRule, tensors: Sequence[torch.Tensor], spec: DecoderS
         return padded.chunk(tp, dim=0)[r]
     if rule.kind == "qkv":
         return _qkv_groups(*tensors, spec).chunk(tp, dim=0)[r]
-    if rule.kind == "fc1":
+    if rule.kind in ("fc1", "expert_fc1"):
         gate, up = (t.chunk(tp, dim=0)[r] for t in tensors)
         return torch.cat([gate, up], dim=0)
+    if rule.kind == "expert_fc2":
+        return tensors[0].chunk(tp, dim=1)[r]
     raise AssertionError(rule.kind)
 
 
 def shards_to_hf(rule: ParamRule, shards: Sequence[torch.Tensor], spec: DecoderSpec) -> tuple[torch.Tensor, ...]:
-    """Reassemble the full HF tensors of one parameter from all TP ranks' shards (in rank order)."""
+    """Reassemble the full HF tensors of one parameter from all TP ranks' shards (in rank order;
+    a routed expert: the shards of its expert tensor-and-model-parallel group, TP fastest)."""
+    if rule.kind in EXPERT_KINDS:
+        etp = len(shards) // rule.ep
+        dense = dataclasses.replace(rule, kind="fc1" if rule.kind == "expert_fc1" else "cols")
+        return tuple(t for e in range(rule.ep) for t in shards_to_hf(dense, shards[e * etp:(e + 1) * etp], spec))
     if rule.kind == "replicated":
         return (shards[0],)
     if rule.kind == "cols":
@@ -175,12 +239,12 @@ def load_shards_into(
     """Copy HF weights (fetched by name with ``read_hf``) into this rank's megatron parameters."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            rule, layer = match_rule(name, layer_offset)
-            tensors = [read_hf(n) for n in hf_names(rule, layer, spec)]
+            rule, layer = match_rule(name, layer_offset, shard.ep_size)
+            tensors = [read_hf(n) for n in load_names(rule, layer, spec, shard)]
             value = hf_to_shard(rule, tensors, spec, shard)
             if value.shape != param.shape:
                 raise ValueError(
-                    f"{name}: HF tensors {hf_names(rule, layer, spec)} give shape "
+                    f"{name}: HF tensors {load_names(rule, layer, spec, shard)} give shape "
                     f"{tuple(value.shape)}, model expects {tuple(param.shape)}"
                 )
             param.copy_(value)
@@ -191,16 +255,22 @@ def iter_export(
     gather_tp: Callable[[torch.Tensor], list[torch.Tensor]],
     spec: DecoderSpec,
     layer_offset: int,
+    gather_experts: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+    ep: int = 1,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for each of this PP stage's parameters, one at a time.
 
-    ``gather_tp`` all-gathers a shard over the TP group (identity list at TP=1). Tied output
-    layers are skipped: HF stores them once, as the embedding.
+    ``gather_tp`` all-gathers a shard over the TP group (identity list at TP=1),
+    ``gather_experts`` a routed expert's over the expert tensor-and-model-parallel group
+    (``ep`` ranks). Tied output layers are skipped: HF stores them once, as the embedding.
     """
     for name, param in model.named_parameters():
-        rule, layer = match_rule(name, layer_offset)
+        rule, layer = match_rule(name, layer_offset, ep)
         if rule.mcore == "output_layer.weight" and spec.tie_word_embeddings:
             continue
-        shards = [param.detach()] if rule.kind == "replicated" else gather_tp(param.detach())
+        if rule.kind in EXPERT_KINDS:
+            shards = (gather_experts or gather_tp)(param.detach())
+        else:
+            shards = [param.detach()] if rule.kind == "replicated" else gather_tp(param.detach())
         full = shards_to_hf(rule, shards, spec)
         yield from zip(hf_names(rule, layer, spec), full, strict=True)

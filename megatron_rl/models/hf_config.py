@@ -1,9 +1,10 @@
 """Translate a Hugging Face causal-LM config into a megatron-core ``TransformerConfig``.
 
-Supported families: Llama, Qwen2 / Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm). All are
+Supported families: Llama, Qwen2 / Qwen2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm), and the
+mixture-of-experts Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral (``models.moe``). All are
 pre-norm RMSNorm decoders with SwiGLU MLPs and rotary embeddings; GQA and tied or untied
-embeddings are read from the config. Anything else (MoE, rope scaling variants, sliding
-window) is refused with an error naming the config field, never silently approximated.
+embeddings are read from the config. Anything else (rope scaling variants, sliding window) is
+refused with an error naming the config field, never silently approximated.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 
 from megatron_rl.config.fields import raise_found
 from megatron_rl.config.model_shape import check_megatron_passthrough, parallel_fit  # parallel_fit: re-exported
+from megatron_rl.models.moe import MOE_MODEL_TYPES, MoeSpec, moe_spec_from_hf, moe_transformer_kwargs
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,7 @@ class DecoderSpec:
     qkv_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    moe: MoeSpec | None = None  # None: a dense decoder
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -91,9 +94,11 @@ def decoder_spec_from_hf(cfg: Mapping[str, Any]) -> DecoderSpec:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
+                                                       model_type == "qwen2_moe")),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        moe=moe_spec_from_hf(cfg) if model_type in MOE_MODEL_TYPES else None,
     )
 
 
@@ -147,22 +152,30 @@ def transformer_config_from_spec(
         moe_token_dispatcher_type="alltoall",  # dense model; 0.16 rejects variable lengths with the default
         cuda_graph_scope=[],  # the default "full" is deprecated in 0.16 and warns on every config
     )
+    if spec.moe is not None:
+        kwargs.update(moe_transformer_kwargs(spec.moe))
     raise_found(check_megatron_passthrough(overrides or {}))  # the config's model.megatron rule
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
 
-def check_parallel_fit(spec: DecoderSpec, tp: int, pp: int) -> None:
-    """Raise ``ValueError`` naming the sizes when TP/PP cannot shard the model of ``spec``."""
+def check_parallel_fit(spec: DecoderSpec, tp: int, pp: int, ep: int = 1) -> None:
+    """Raise ``ValueError`` naming the sizes when TP/PP/EP cannot shard the model of ``spec``."""
     sizes = {
         "num_attention_heads": spec.num_attention_heads,
         "num_key_value_heads": spec.num_key_value_heads,
         "intermediate_size": spec.ffn_hidden_size,
     }
+    if spec.moe is not None:  # the experts' tensor-parallel size is TP
+        sizes["moe_intermediate_size"] = spec.moe.expert_ffn_hidden_size
     problems = [
         f"{key} {msg}"
         for key, msg in zip(("tp", "pp"), parallel_fit(sizes, spec.num_layers, tp, pp), strict=True)
         if msg
     ]
+    if ep > 1 and spec.moe is None:
+        problems.append(f"ep {ep} needs a mixture-of-experts model ({spec.model_type!r} is dense: use ep 1)")
+    elif spec.moe is not None and spec.moe.num_experts % ep:
+        problems.append(f"ep {ep} does not divide num_experts ({spec.moe.num_experts})")
     if problems:
         raise ValueError("; ".join(problems))

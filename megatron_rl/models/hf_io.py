@@ -19,6 +19,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_rl.models.convert import (
+    EXPERT_KINDS,
     ParamRule,
     ShardInfo,
     hf_names,
@@ -81,27 +82,40 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def load_hf_weights(model: torch.nn.Module, hf_path: str | Path, spec: DecoderSpec) -> None:
-    """Fill this rank's TP/PP shard of ``model`` from the HF checkpoint at ``hf_path``."""
+def expert_parallel_size() -> int:
+    """megatron's expert-parallel size (1 for a dense model)."""
     from megatron.core import parallel_state
 
-    padded = model.vocab_size
-    shard = ShardInfo(
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def shard_info(model: torch.nn.Module) -> ShardInfo:
+    """Where this rank's shard of ``model`` sits (TP, EP, padded vocabulary)."""
+    from megatron.core import parallel_state
+
+    return ShardInfo(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        padded_vocab=padded,
+        padded_vocab=model.vocab_size,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=expert_parallel_size(),
     )
+
+
+def load_hf_weights(model: torch.nn.Module, hf_path: str | Path, spec: DecoderSpec) -> None:
+    """Fill this rank's TP/EP/PP shard of ``model`` from the HF checkpoint at ``hf_path``."""
+    shard = shard_info(model)
     reader = HFCheckpointReader(hf_path)
     load_shards_into(model, lambda n: reader(n).to(torch.float32), spec, shard, layer_offset(model))
     # load_shards_into copies into params of the model's dtype; the fp32 detour keeps it exact.
 
 
 def export_hf_tensors(model: torch.nn.Module, spec: DecoderSpec):
-    """Iterate (HF name, full tensor) over this PP stage's parameters, TP shards gathered
-    (on every TP rank; ``save_hf_checkpoint`` gathers to the writing rank only)."""
-    from megatron_rl.parallel.gather import gather_tp
+    """Iterate (HF name, full tensor) over this PP stage's parameters, TP shards gathered and
+    routed experts over EP (on every rank; ``save_hf_checkpoint`` gathers to the writer only)."""
+    from megatron_rl.parallel.gather import gather_experts, gather_tp
 
-    return iter_export(model, gather_tp, spec, layer_offset(model))
+    return iter_export(model, gather_tp, spec, layer_offset(model), gather_experts, expert_parallel_size())
 
 
 @dataclass(frozen=True)
@@ -120,11 +134,13 @@ def export_items(model: torch.nn.Module, spec: DecoderSpec) -> list[ExportItem]:
     from megatron.core import parallel_state
 
     tp, offset, out = parallel_state.get_tensor_model_parallel_world_size(), layer_offset(model), []
+    ep = expert_parallel_size()
     for name, param in model.named_parameters():
-        rule, layer = match_rule(name, offset)
+        rule, layer = match_rule(name, offset, ep)
         if rule.mcore == "output_layer.weight" and spec.tie_word_embeddings:
             continue
-        meta = [torch.empty(param.shape, device="meta")] * (1 if rule.kind == "replicated" else tp)
+        count = 1 if rule.kind == "replicated" else tp * (ep if rule.kind in EXPERT_KINDS else 1)
+        meta = [torch.empty(param.shape, device="meta")] * count
         shapes = tuple(tuple(t.shape) for t in shards_to_hf(rule, meta, spec))
         out.append(ExportItem(param=param, rule=rule, names=hf_names(rule, layer, spec), shapes=shapes))
     return out
@@ -132,12 +148,15 @@ def export_items(model: torch.nn.Module, spec: DecoderSpec) -> list[ExportItem]:
 
 def gather_hf(item: ExportItem, shard: torch.Tensor, spec: DecoderSpec) -> tuple[torch.Tensor, ...] | None:
     """The full HF tensors of ``item`` from every TP rank's ``shard`` (``item.param``'s shape),
-    on TP rank 0; None on the others. Collective over the TP group."""
+    on TP rank 0; None on the others. Collective over the TP group; for a routed expert over
+    the expert TP x EP group, to its first rank (the stage's writer when that is DP rank 0)."""
     from megatron.core import parallel_state
 
-    from megatron_rl.parallel.gather import gather_tp_to_first
+    from megatron_rl.parallel.gather import gather_experts_to_first, gather_tp_to_first
 
-    if item.rule.kind == "replicated":  # the same on every TP rank: no communication
+    if item.rule.kind in EXPERT_KINDS:
+        shards = gather_experts_to_first(shard)
+    elif item.rule.kind == "replicated":  # the same on every TP rank: no communication
         shards = [shard] if parallel_state.get_tensor_model_parallel_rank() == 0 else None
     else:
         shards = gather_tp_to_first(shard)
@@ -168,6 +187,8 @@ def save_hf_checkpoint(
         parallel_state.get_pipeline_model_parallel_rank(),
     )
     writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    # routed experts are gathered over EP, whose ranks sit in different DP replicas: every
+    # rank of the first expert-DP replica takes part (only DP rank 0 in the dense tensors)
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,7 +196,7 @@ def save_hf_checkpoint(
     host_barrier()
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     names = _write_stage(model, spec, tmp / file if writer else None, dtype) if (
-        parallel_state.get_data_parallel_rank() == 0) else []
+        parallel_state.get_expert_data_parallel_rank() == 0) else []
     entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (file, names) if writer else None, group=host_group())
     if rank0:
@@ -195,12 +216,17 @@ def save_hf_checkpoint(
 def _write_stage(model: torch.nn.Module, spec: DecoderSpec, path: Path | None, dtype: torch.dtype | None) -> list[str]:
     """Stream this stage's weights into ``path`` (None: this TP rank only sends its shards);
     returns the HF names written."""
+    from megatron.core import parallel_state
+
     items = export_items(model, spec)
     entries = [TensorEntry(n, dtype or it.param.dtype, s) for it in items for n, s in zip(it.names, it.shapes,
                                                                                            strict=True)]
+    first_dp = parallel_state.get_data_parallel_rank() == 0
     with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:
         for item in items:
-            full = gather_hf(item, item.param.detach(), spec)  # None on TP ranks > 0
+            if not first_dp and item.rule.kind not in EXPERT_KINDS:
+                continue  # another replica's copy of a dense tensor: DP rank 0 writes it
+            full = gather_hf(item, item.param.detach(), spec)  # None on ranks other than the writer
             if full is not None:
                 for name, tensor in zip(item.names, full, strict=True):
                     out.write(name, tensor if dtype is None else tensor.to(dtype))

@@ -68,3 +68,36 @@ def host_barrier() -> None:
     """Barrier over the world on ``host_group`` (no device work, no device sync)."""
     if dist.get_world_size() > 1:
         dist.barrier(group=host_group())
+
+
+def gather_experts(shard: torch.Tensor) -> list[torch.Tensor]:
+    """All-gather a routed expert's ``shard`` over megatron's expert tensor-and-model-parallel
+    group (expert TP x EP); list in group-rank order (expert TP rank fastest)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_tensor_and_model_parallel_world_size()
+    if size == 1:
+        return [shard]
+    out = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(out, shard.contiguous(), group=parallel_state.get_expert_tensor_and_model_parallel_group())
+    return out
+
+
+def gather_experts_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
+    """``gather_experts`` to the group's rank 0 only (None elsewhere), point to point as
+    ``gather_tp_to_first``."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    size = parallel_state.get_expert_tensor_and_model_parallel_world_size()
+    if size == 1:
+        return [shard]
+    first, shard = dist.get_global_rank(group, 0), shard.contiguous()
+    if dist.get_rank() != first:
+        dist.send(shard, dst=first, group=group)
+        return None
+    out = [shard]
+    for r in range(1, size):
+        out.append(torch.empty_like(shard))
+        dist.recv(out[-1], src=dist.get_global_rank(group, r), group=group)
+    return out

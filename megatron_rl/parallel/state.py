@@ -25,6 +25,7 @@ class ParallelLayout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1  # expert-parallel size: EP ranks split the routed experts within the DP ranks
 
     @property
     def is_first_stage(self) -> bool:
@@ -35,19 +36,25 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def check_world(world_size: int, tp: int, pp: int) -> int:
-    """Return DP size, or raise naming the sizes when TP x PP does not divide the world."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"parallel.tp ({tp}) and parallel.pp ({pp}) must be >= 1")
+def check_world(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
+    """Return DP size, or raise naming the sizes when TP x PP does not divide the world or EP
+    does not divide the DP size (megatron carves the expert-parallel groups out of DP)."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"parallel.tp ({tp}), parallel.pp ({pp}) and parallel.ep ({ep}) must be >= 1")
     if world_size % (tp * pp):
         raise ValueError(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide world size {world_size}")
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    if dp % ep:
+        raise ValueError(f"parallel.ep ({ep}) does not divide the data-parallel size {dp} (world {world_size} / "
+                         f"(tp {tp} x pp {pp}))")
+    return dp
 
 
 def initialize_parallel(
-    *, tp: int, pp: int, seed: int = 1234, platform: str = "auto", timeout_s: float = 600.0
+    *, tp: int, pp: int, ep: int = 1, seed: int = 1234, platform: str = "auto", timeout_s: float = 600.0
 ) -> tuple[Platform, ParallelLayout]:
-    """Set up the platform, the default process group (from torchrun env vars) and megatron's groups.
+    """Set up the platform, the default process group (from torchrun env vars) and megatron's groups
+    (``ep``: expert-parallel size; the expert tensor-parallel size is TP).
 
     Idempotent for the same sizes. Seeds the default generator with ``seed`` and megatron's
     model-parallel RNG tracker (``seed + 2718 + tp_rank`` for TP regions).
@@ -59,16 +66,18 @@ def initialize_parallel(
     if not dist.is_initialized():
         _init_default_group(plat.dist_backend, group_timeout(timeout_s))
     world = dist.get_world_size()
-    dp = check_world(world, tp, pp)
+    dp = check_world(world, tp, pp, ep)
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
-        ) != (tp, pp):
+            parallel_state.get_expert_model_parallel_world_size(),
+        ) != (tp, pp, ep):
             raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
     else:
         parallel_state.initialize_model_parallel(distributed_timeout_minutes=group_timeout_minutes(timeout_s),
-                                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
     _build_host_groups(plat)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -80,6 +89,7 @@ def initialize_parallel(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        ep=ep,
     )
     return plat, layout
 
@@ -124,13 +134,14 @@ def _build_host_groups(plat: Platform) -> None:
                                                                            timeout=current_group_timeout())
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron's groups, the host groups and the default process group."""
+def destroy_parallel(*, keep_world: bool = False) -> None:
+    """Tear down megatron's groups, the host groups and (unless ``keep_world``: the next
+    ``initialize_parallel`` sets up another layout of the same world) the default process group."""
     from megatron.core import parallel_state
 
     _HOST_GROUPS.clear()
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_world:
         dist.destroy_process_group()
 
 

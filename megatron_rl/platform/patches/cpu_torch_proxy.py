@@ -20,6 +20,7 @@ device abstraction (or when CPU runs go through a real accelerator plugin).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -79,6 +80,23 @@ def _redirect_factory(fn):
     return factory
 
 
+class _HostStream:
+    """A CUDA stream stand-in: host work is in program order, so waits and events are no-ops
+    (megatron's MoE all-to-all dispatcher makes a side stream for its device-to-host copies)."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CURRENT_STREAM = _HostStream()
+
+
 class _CudaOnCPU(types.ModuleType):
     """``torch.cuda`` as megatron-core sees it on a CPU build: the target device is the current
     device, and the CPU generator is the device RNG (the emulated device's random ops run CPU kernels)."""
@@ -106,6 +124,16 @@ class _CudaOnCPU(types.ModuleType):
     def manual_seed(seed):
         # torch.manual_seed would call back into torch.cuda.manual_seed_all: use the generator.
         torch.default_generator.manual_seed(int(seed))
+
+    Stream = _HostStream
+
+    @staticmethod
+    def current_stream(device=None):
+        return _CURRENT_STREAM
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
     @staticmethod
     def memory_allocated(device=None):
