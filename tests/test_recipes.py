@@ -29,6 +29,7 @@ RECIPES = {
     "qwen3-8b-dapo-h200": ("h200", 1, 8),
     "qwen2.5-7b-grpo-sagc": ("h100", 2, 8),
     "qwen3-8b-stale-a3po": ("910b", 2, 8),
+    "qwen2.5-7b-tool-python-910b": ("910b", 2, 8),  # multi-turn, sandboxed Python tool
 }
 PUBLISHED = {  # sizes from the model cards (Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen3-8B)
     "qwen2.5-7b-instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

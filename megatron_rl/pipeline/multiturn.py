@@ -12,7 +12,8 @@ tri-model step take them unchanged; the loss reads ``MicroBatch.loss_mask``.
 Rewards: the environment's final reward when it gives one, else the task reward function on
 the last model turn's text. DAPO overlong shaping measures a trajectory's whole response
 (model + observation tokens) against what ``environment.max_total_tokens`` leaves after the
-prompt, so a trajectory cut by the token budget gets the full penalty.
+prompt; a truncated trajectory (token budget, max_turns, or a turn cut by max_new_tokens: it
+never finished) counts as reaching that budget, so it gets the full penalty.
 """
 
 from __future__ import annotations
@@ -90,11 +91,12 @@ class MultiTurnProducer(Producer):
             env_failures=traj.env_failures, env_s=traj.env_s, truncated=traj.truncated,
         )
         if all(s is not None for s in batch.slots[p]):
-            scoring = self._scoring
+            scoring, samples = self._scoring, batch.slots[p]
+            room = self._multiturn.settings.max_total_tokens - len(traj.prompt_ids)
             if scoring.overlong is not None:  # the budget the whole response shares (module doc)
-                room = self._multiturn.settings.max_total_tokens - len(traj.prompt_ids)
                 scoring = replace(scoring, overlong=replace(scoring.overlong, max_len=room))
-            group = score_group(step=batch.step, prompt_index=p, samples=batch.slots[p], scoring=scoring)
+            group = score_group(step=batch.step, prompt_index=p, samples=samples, scoring=scoring,
+                                lengths=[room if s.truncated else len(s.response_ids) for s in samples])
             batch.dropped += not group.kept
             self._put(group)
 

@@ -105,11 +105,13 @@ class GroupScoring:
         require_values({"algorithm.advantage.scale": self.advantage_scale, "algorithm.advantage.eps": self.eps})
 
 
-def score_group(*, step: int, prompt_index: int, samples: Sequence[Sample], scoring: GroupScoring) -> ScoredGroup:
-    """Shaped rewards ``[G]``, advantages ``[G]`` and the dynamic-sampling verdict of one group."""
+def score_group(*, step: int, prompt_index: int, samples: Sequence[Sample], scoring: GroupScoring,
+                lengths: Sequence[int] | None = None) -> ScoredGroup:
+    """Shaped rewards ``[G]``, advantages ``[G]`` and the dynamic-sampling verdict of one group;
+    ``lengths``: what overlong shaping measures (default: each response's length)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     if scoring.overlong is not None:
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        lengths = torch.tensor([len(s.response_ids) for s in samples] if lengths is None else list(lengths))
         o = scoring.overlong
         rewards = rewards + overlong_reward_delta(lengths, max_len=o.max_len, buffer=o.buffer, penalty=o.penalty)
     kept = bool(dynamic_sampling_keep(rewards[None])[0]) if scoring.dynamic_sampling else True
