@@ -44,7 +44,9 @@ from typing import Literal
 
 logger = logging.getLogger(__name__)
 
-UID_BASE, UID_COUNT = 61000, 1024  # uids the sandboxes run as when the caller is root
+# uids the sandboxes run as when the caller is root: far above regular users (<= 60000), systemd's
+# dynamic users (61184-65519) and its container ranges (up to 1879048191), below the signed-int edge
+UID_BASE, UID_COUNT = 2_000_000_000, 1024
 UNSHARE = (shutil.which("unshare") or "/usr/bin/unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
            "--kill-child")
 Isolation = Literal["userns", "none"]
