@@ -84,3 +84,26 @@ def test_moe_mlp_round_trip_tp2_ep2(family, tmp_path):
             seen.add(n)
     mlp_names = {n for n in state if ".mlp." in n or "block_sparse_moe" in n}
     assert seen == mlp_names
+
+
+def test_check_config_refuses_bad_ep_and_moe_settings(tmp_path):
+    from megatron_rl.config import ConfigError, validate_world
+    from tests.test_config import MINIMAL, SMOLLM2, error, load
+
+    moe = dict(tiny_moe_config("qwen3_moe").to_dict(), num_attention_heads=4)
+    cases = {
+        ("parallel.ep=3",): (moe, "parallel.ep", "3 does not divide num_experts (4"),
+        ("parallel.ep=2",): (SMOLLM2, "parallel.ep", "2 needs a mixture-of-experts model"),
+        ("parallel.ep=0",): (moe, "parallel.ep", "must be > 0"),
+        ("model.moe.load_balancing=sinkhorn",): (moe, "model.moe.load_balancing", "aux_loss"),
+        ("model.moe.aux_loss_coeff=-1",): (moe, "model.moe.aux_loss_coeff", "must be >= 0"),
+        ("model.megatron={moe_aux_loss_coeff: 0.1}",): (moe, "model.megatron.moe_aux_loss_coeff",
+                                                         "model.moe.aux_loss_coeff"),
+    }
+    for overrides, (hf, key, text) in cases.items():
+        problems = error(tmp_path, MINIMAL, overrides, hf).problems
+        assert any(p.key == key and text in p.message for p in problems), (overrides, problems)
+    cfg = load(tmp_path, MINIMAL, ("parallel.ep=2", "parallel.tp=2", "model.moe.aux_loss_coeff=0.01"), moe)
+    assert validate_world(cfg, 4) == 2
+    with pytest.raises(ConfigError, match="parallel.ep \\(2\\) does not divide the data-parallel size 3"):
+        validate_world(cfg, 6)

@@ -24,6 +24,7 @@ Found = Iterator[tuple[str, str]]  # (dotted key, message) pairs yielded by a ch
 # fmt: off
 POSITIVE = (
     "model.make_vocab_size_divisible_by", "parallel.tp", "parallel.pp", "parallel.dp", "parallel.timeout_s",
+    "parallel.ep",
     "rollout.num_engines", "rollout.tensor_parallel_size", "rollout.max_batch_size",
     "rollout.sampling.max_new_tokens", "rollout.sampling.temperature", "pipeline.queue_size",
     "pipeline.micro_batch_tokens", "control.group_size", "data.size", "data.max_prompt_tokens",
@@ -43,7 +44,7 @@ NON_NEGATIVE = (
     "algorithm.mismatch_alarm.logprob_abs_diff_mean",
     "algorithm.mismatch_alarm.logprob_abs_diff_max", "algorithm.mismatch_alarm.kl_k3",
     "algorithm.mismatch_alarm.seq_ratio_max", "algorithm.mismatch_alarm.masked_fraction",
-    "environment.max_failures",
+    "environment.max_failures", "model.moe.aux_loss_coeff", "model.moe.z_loss_coeff",
 )
 # fmt: on
 BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -31,6 +31,10 @@ HF_OWNED = (
 MEGATRON_OWNED = {
     "tensor_model_parallel_size": "parallel.tp",
     "pipeline_model_parallel_size": "parallel.pp",
+    "expert_model_parallel_size": "parallel.ep",
+    "moe_aux_loss_coeff": "model.moe.aux_loss_coeff",
+    "moe_z_loss_coeff": "model.moe.z_loss_coeff",
+    "moe_router_load_balancing_type": "model.moe.load_balancing",
     "bf16": "model.dtype",
     "fp16": "model.dtype",
     "params_dtype": "model.dtype",
@@ -47,6 +51,7 @@ class ModelShape:
     num_heads: int  # num_attention_heads
     num_kv_heads: int  # num_key_value_heads (megatron: num_query_groups)
     ffn_hidden: int | None  # intermediate_size, None when absent (e.g. MoE configs)
+    num_experts: int | None = None  # routed experts of a MoE model (num_experts / num_local_experts), None: dense
 
 
 def check_megatron_passthrough(megatron: Mapping[str, Any]) -> Found:
@@ -88,6 +93,7 @@ def model_shape(cfg: Config, hf_config: dict[str, Any] | None) -> tuple[ModelSha
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         ffn_hidden=hf.get("intermediate_size"),
+        num_experts=hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or None,
     )
     return shape, []
 
@@ -131,3 +137,8 @@ def check_model_parallel(cfg: Config, shape: ModelShape) -> Found:
         yield "parallel.tp", f"{tp_problem} (from {shape.source})"
     if pp_problem:
         yield "parallel.pp", f"{pp_problem} (from {shape.source})"
+    ep = cfg.parallel.ep
+    if ep > 1 and shape.num_experts is None:
+        yield "parallel.ep", f"{ep} needs a mixture-of-experts model; {shape.source} is dense: use 1"
+    elif shape.num_experts is not None and shape.num_experts % ep:
+        yield "parallel.ep", f"{ep} does not divide num_experts ({shape.num_experts}, from {shape.source})"

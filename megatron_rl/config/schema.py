@@ -32,10 +32,22 @@ EngineName = Literal["vllm", "hf"]
 WeightSync = Literal["snapshot", "broadcast", "shared_memory"]
 DeviceKind = Literal["cpu", "cuda", "npu"]  # the kinds a rollout.devices string may start with
 RoutingReplay = Literal["none", "rollout"]  # MoE: the trainer's routers choose, or replay the engine's routes
+MoeLoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]  # megatron's router load-balancing losses
 RoutingReplay = Literal["none", "rollout"]  # MoE: the trainer's routers choose, or replay the engine's routes
 BuiltinController = Literal["fixed", "sagc"]  # control.kind names; any other kind is a dotted path
 # environment.kind names ("none": single-turn rollouts); any other kind is a dotted path
 BuiltinEnvironment = Literal["none", "echo", "calculator", "python"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """Router losses of a mixture-of-experts policy (ignored for dense models), added to the RL loss
+    in backward by megatron-core (scaled 1 / micro-batches, as megatron's own losses)."""
+
+    # load-balancing loss: per micro-batch (aux_loss), per sequence (seq_aux_loss), or none
+    load_balancing: MoeLoadBalancing = "aux_loss"
+    aux_loss_coeff: float = 0.0  # its weight; 0 = off (HF checkpoints' router_aux_loss_coef is not read)
+    z_loss_coeff: float = 0.0  # router z-loss (logsumexp of router logits squared) weight; 0 = off
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +60,7 @@ class ModelConfig:
     # Pass-through TransformerConfig fields (e.g. recompute_granularity); names are checked
     # against megatron-core; fields set from the HF config or from `parallel` are refused.
     megatron: dict[str, Any] = field(default_factory=dict)
+    moe: MoeConfig = field(default_factory=MoeConfig)  # router losses (MoE models)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +70,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size; divides heads, KV heads and FFN width
     pp: int = 1  # pipeline-parallel size; divides the number of layers
     dp: int | None = None  # data-parallel size; None = world size / (tp × pp)
+    ep: int = 1  # expert-parallel size (MoE models): splits the routed experts; divides num_experts and dp
     distributed_optimizer: bool = False  # shard optimizer state across DP ranks (megatron)
     # How long a rank may wait for the rest of the world, generation included: rank 0 for the
     # pipeline's next group, every process group (torch, megatron, host gloo) for its peers

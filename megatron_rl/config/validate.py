@@ -60,6 +60,9 @@ def validate_world(cfg: Config, world_size: int, *, origins: Origins | None = No
             message=f"parallel.tp ({tp}) × parallel.pp ({pp}) × parallel.dp ({dp}) = {tp * pp * dp} ≠ world "
             f"size {world_size}; set parallel.dp to {world_size // (tp * pp)} or leave it unset",
         )
+    elif (world_size // (tp * pp)) % cfg.parallel.ep:
+        problem = Problem(key="parallel.ep", message=f"parallel.ep ({cfg.parallel.ep}) does not divide the "
+                          f"data-parallel size {world_size // (tp * pp)} (megatron takes the EP ranks from DP)")
     if problem is not None:
         where = (origins or Origins()).where(problem.key)
         raise ConfigError([dataclasses.replace(problem, where=where)])

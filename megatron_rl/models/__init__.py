@@ -30,6 +30,7 @@ def load_model_from_hf(
     make_vocab_size_divisible_by: int = 128,
     attention_backend: str | None = None,
     megatron_overrides: dict | None = None,
+    moe_losses: dict | None = None,
 ) -> tuple[torch.nn.Module, DecoderSpec]:
     """Build this rank's TP/PP shard of the model at ``hf_path`` and load its weights.
 
@@ -49,6 +50,7 @@ def load_model_from_hf(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         attention_backend=attention_backend,
         megatron_overrides=megatron_overrides,
+        moe_losses=moe_losses,
     )
     load_hf_weights(model, hf_path, spec)
     return model, spec

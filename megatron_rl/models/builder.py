@@ -84,6 +84,7 @@ def build_gpt_model(
     make_vocab_size_divisible_by: int = 128,
     attention_backend: str | None = None,
     megatron_overrides: dict | None = None,
+    moe_losses: dict | None = None,
 ):
     """This rank's PP stage of the model (parallel state must be set up) on this rank's compute
     device; weights are random (initialised on the CPU, as ``use_cpu_initialization`` asks)."""
@@ -91,7 +92,8 @@ def build_gpt_model(
 
     from megatron_rl.platform import compute_device, to_device_
 
-    config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides)
+    config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides,
+                                          moe_losses=moe_losses)
     model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=decoder_block_spec(spec, config, attention_backend),

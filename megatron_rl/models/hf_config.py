@@ -115,8 +115,10 @@ def transformer_config_from_spec(
     pp: int,
     params_dtype: torch.dtype = torch.float32,
     overrides: Mapping[str, Any] | None = None,
+    moe_losses: Mapping[str, Any] | None = None,
 ):
-    """Build the megatron-core ``TransformerConfig`` for ``spec`` at the given TP/PP sizes."""
+    """Build the megatron-core ``TransformerConfig`` for ``spec`` at the given TP/PP sizes
+    (``moe_losses``: the router-loss fields of ``models.moe.moe_loss_kwargs``, MoE models only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs: dict[str, Any] = dict(
@@ -153,7 +155,7 @@ def transformer_config_from_spec(
         cuda_graph_scope=[],  # the default "full" is deprecated in 0.16 and warns on every config
     )
     if spec.moe is not None:
-        kwargs.update(moe_transformer_kwargs(spec.moe))
+        kwargs.update(moe_transformer_kwargs(spec.moe), **(moe_losses or {}))
     raise_found(check_megatron_passthrough(overrides or {}))  # the config's model.megatron rule
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)

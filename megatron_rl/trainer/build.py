@@ -10,6 +10,7 @@ import torch
 from megatron_rl.algorithms import LossSettings
 from megatron_rl.config.schema import AlgorithmConfig, AttentionConfig, ModelConfig, ParallelConfig, TrainerConfig
 from megatron_rl.models import DecoderSpec, load_model_from_hf
+from megatron_rl.models.moe import moe_loss_kwargs
 from megatron_rl.trainer.optim import wrap_for_training
 from megatron_rl.trainer.policy_step import PolicyTrainer
 from megatron_rl.trimodel import TriModel, TriModelPlan, load_frozen_copies, plan_trimodel
@@ -41,7 +42,8 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
     m, t = settings.model, settings.trainer
     build = {"params_dtype": DTYPES[m.dtype], "attention_backend": settings.attention.backend,
              "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-             "megatron_overrides": dict(m.megatron) or None}
+             "megatron_overrides": dict(m.megatron) or None,
+             "moe_losses": moe_loss_kwargs(m.moe.load_balancing, m.moe.aux_loss_coeff, m.moe.z_loss_coeff)}
     policy, spec = load_model_from_hf(settings.hf_path, **build)
     ddp, optimizer = wrap_for_training(policy, t, distributed_optimizer=settings.parallel.distributed_optimizer)
     plan = trimodel_plan(settings.loss, t)

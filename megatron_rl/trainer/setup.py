@@ -89,8 +89,8 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
 
 def start_world(cfg: Config, platform: str = "auto") -> tuple[Platform, ParallelLayout]:
     """Initialise the platform and the parallel state for ``cfg`` and check the world fits it."""
-    plat, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, seed=cfg.trainer.seed,
-                                       timeout_s=cfg.parallel.timeout_s, platform=platform)
+    plat, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
+                                       seed=cfg.trainer.seed, timeout_s=cfg.parallel.timeout_s, platform=platform)
     validate_world(cfg, layout.world_size)
     return plat, layout
 
