@@ -40,7 +40,17 @@ PLATFORM=${PLATFORM:-npu}
 source examples/platform_env.sh
 export PY
 
-run_or_print msrun --worker_num="$TRAIN_WORLD_SIZE" --local_worker_num="$NPROC_PER_NODE" \
+# msrun has no restart option of its own (its flags stop at --tail_worker_log): MAX_RESTARTS=N runs it
+# again, on every node, up to N times after a failed run (a dead rank ends the whole job: --join=True);
+# with trainer.resume_from=auto each run continues from save_dir's last complete checkpoint.
+restarts=0
+until (run_or_print msrun --worker_num="$TRAIN_WORLD_SIZE" --local_worker_num="$NPROC_PER_NODE" \
   --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --node_rank="$NODE_RANK" --log_dir="$LOG_DIR" \
   --join=True --cluster_time_out="${CLUSTER_TIME_OUT:-600}" \
-  "$SELF" "$CONFIG" --platform "$PLATFORM" "${ROLLOUT_OVERRIDES[@]}" "$@"
+  "$SELF" "$CONFIG" --platform "$PLATFORM" "${ROLLOUT_OVERRIDES[@]}" "$@"); do  # ( ): run_or_print execs
+  if (( restarts >= ${MAX_RESTARTS:-0} )); then
+    exit 1
+  fi
+  restarts=$((restarts + 1))
+  echo "launch_msrun.sh: msrun failed; restart $restarts of $MAX_RESTARTS" >&2
+done

@@ -60,3 +60,24 @@ def test_launch_sh_passes_max_restarts(restarts):
     out = subprocess.run(["bash", "examples/launch.sh", "examples/demo/config.yaml"], cwd=repo, env=env,
                          capture_output=True, text=True, check=True).stdout
     assert f"--max-restarts {restarts} " in out
+
+
+@pytest.mark.parametrize(("restarts", "ok"), [(2, True), (1, False)])
+def test_launch_msrun_runs_msrun_again_up_to_max_restarts(tmp_path, restarts, ok):
+    """A fake msrun failing twice, then succeeding: MAX_RESTARTS=2 gets through, 1 does not."""
+    import os
+    import stat
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "msrun"
+    fake.write_text(f'#!/bin/bash\necho run >> {tmp_path}/runs\n[[ $(wc -l < {tmp_path}/runs) -ge 3 ]]\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "MAX_RESTARTS": str(restarts)}
+    env.pop("MEGATRON_RL_DRY_RUN", None)
+    out = subprocess.run(["bash", "examples/launch_msrun.sh", "examples/demo/config.yaml"], cwd=repo, env=env,
+                         capture_output=True, text=True)
+    assert (out.returncode == 0) is ok, out.stderr[-2000:]
+    assert (tmp_path / "runs").read_text().count("run") == restarts + 1
+    assert "msrun failed; restart 1 of" in out.stderr

@@ -16,6 +16,7 @@ got no micro-batch in a mini-batch still joins the gradient all-reduce, with zer
 from __future__ import annotations
 
 import pickle
+import threading
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class DispatchChannel:
             raise RuntimeError(f"the leader of DP replica 0 must be global rank 0, got {self.leaders[0]}")
         self.group = dist.new_group(ranks=self.leaders, backend="gloo", timeout=current_group_timeout())
         self._pending: list[tuple[Any, torch.Tensor]] = []  # (work, buffer kept alive until sent)
+        self._lock = threading.Lock()  # rank 0's dispatcher thread and training thread both send
 
     @property
     def replicas(self) -> int:
@@ -59,9 +61,10 @@ class DispatchChannel:
         payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         dst = self.leaders[replica]
-        self._pending.append((dist.isend(size, dst, group=self.group, tag=_SIZE_TAG), size))
-        self._pending.append((dist.isend(payload, dst, group=self.group, tag=_PAYLOAD_TAG), payload))
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        with self._lock:  # a message's two parts stay together
+            self._pending.append((dist.isend(size, dst, group=self.group, tag=_SIZE_TAG), size))
+            self._pending.append((dist.isend(payload, dst, group=self.group, tag=_PAYLOAD_TAG), payload))
+            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def send_all(self, message: tuple[str, Any]) -> None:
         """``send`` to every remote replica."""
@@ -70,9 +73,10 @@ class DispatchChannel:
 
     def flush(self) -> None:
         """Wait until every queued message was delivered."""
-        for work, _ in self._pending:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for work, _ in pending:
             work.wait()
-        self._pending = []
 
     def recv(self) -> tuple[str, Any]:
         """On a remote replica's leader: the next message from rank 0 (blocking)."""

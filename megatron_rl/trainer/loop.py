@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_rl.config import Config, config_to_dict
 from megatron_rl.pipeline import BatchSummary, PipelineError
 from megatron_rl.trainer.checkpoint import RunState
+from megatron_rl.trainer.dispatcher import dispatch_ahead
 from megatron_rl.trainer.metrics import EngineBusy, count_devices, format_step, step_metrics
 from megatron_rl.trainer.progress import Progress
 from megatron_rl.trainer.rl_step import LeaderReplica, follow
@@ -68,7 +69,7 @@ def run_step(pipeline, replica) -> tuple[BatchSummary, float]:
     ``LeaderReplica`` calls. Returns the step's summary and its seconds."""
     start = time.perf_counter()
     batch = pipeline.begin_step()
-    for mini_batch in batch.mini_batches():
+    for mini_batch in dispatch_ahead(batch, replica):  # DP > 1: other replicas' groups go out meanwhile
         for micro_batch in mini_batch:
             replica.train_micro_batch(micro_batch)
         replica.optimizer_step()
