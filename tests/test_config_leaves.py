@@ -16,7 +16,8 @@ import pytest
 
 from megatron_rl.config import schema
 from tests.distributed import run_distributed
-from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
+from tests.multiturn_fixtures import make_tiny_chat_model
+from tests.rl_fixtures import TRAIN_PLATFORM, tiny_rl_config
 
 
 def leaves(cls=schema.Config, prefix="") -> set[str]:
@@ -89,14 +90,18 @@ RUNS = {
     "periodic_fixed": ["pipeline.mode=periodic", "algorithm.kl.coef=0.1"],
     "stale_sagc_overlong": ["pipeline.mode=stale", "pipeline.max_staleness=1", "algorithm.loss=ppo_decoupled",
                             "control.kind=sagc", "control.sagc.candidates=[2, 4]", "control.group_size=2",
-                            "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=4"],
+                            "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=4",
+                            # multi-turn (echo environment) in stale mode: the environment.* leaves
+                            "environment.kind=echo", "environment.options={turns: 2}", "environment.max_turns=2",
+                            "environment.max_total_tokens=200", "environment.step_timeout_s=30"],
 }
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("leaves")
-    return str(tiny_rl_config(tmp, make_tiny_rl_model(tmp / "model"), trainer={"steps": 1, "prompts_per_batch": 2}))
+    model = make_tiny_chat_model(tmp / "model")  # a chat template, for the multi-turn run
+    return str(tiny_rl_config(tmp, model, trainer={"steps": 1, "prompts_per_batch": 2}))
 
 
 def test_the_tree_has_the_leaves_we_expect():
