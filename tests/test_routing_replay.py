@@ -28,7 +28,9 @@ from megatron_rl.pipeline.records import (
     unshare_prompts,
 )
 from megatron_rl.rollout.types import RoutedExperts
-from tests.moe_replay_models import EXPERTS, LAYERS, TOP_K, VOCAB, hf_moe
+from tests.hf_moe_models import make_tiny_moe
+
+VOCAB, LAYERS, EXPERTS, TOP_K = 300, 4, 4, 2  # tests.hf_moe_models' qwen3_moe (layer 1 dense)
 
 
 def _sample(k: int, prompt: tuple[int, ...], n: int, rng: np.random.Generator, routes: bool = True) -> Sample:
@@ -101,7 +103,7 @@ def test_hf_engine_records_the_routes_its_layers_used(tmp_path):
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
     from megatron_rl.rollout.worker import WorkerSpec
 
-    path = hf_moe(tmp_path / "moe")
+    path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
     spec = WorkerSpec(index=0, backend="hf", model_path=str(path), device=DeviceAssignment(kind="cpu"),
                       return_routed_experts=True)
     engine = HFBackend(spec)

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from megatron_rl.rollout.hf_experts import expert_slot
 from megatron_rl.rollout.hf_routes import RouteRecorder
 from megatron_rl.rollout.sampling import sample_next
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, hf_score
@@ -50,13 +51,16 @@ class HFBackend:
         targets = self._model.state_dict()
         loaded: set[int] = set()
         for name, tensor in named_tensors:
-            if name not in targets:
+            # an MoE expert's own matrix lands in its slice of the model's fused expert tensor
+            slot = expert_slot(name, targets) if name not in targets else (name, targets[name])
+            if slot is None:
                 raise ValueError(f"{source}: tensor {name!r} is not a parameter of the rollout model")
-            if tensor.shape != targets[name].shape:
+            target_name, target = slot
+            if tensor.shape != target.shape:
                 raise ValueError(f"{source}: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(targets[name].shape)}")
-            targets[name].copy_(tensor)
-            loaded.add(targets[name].data_ptr())
+                                 f"the model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(targets[target_name].data_ptr())
         missing = [n for n, p in self._model.named_parameters() if p.data_ptr() not in loaded]
         if missing:
             raise ValueError(f"{source} lacks parameters {missing[:5]} ({len(missing)} in all)")
