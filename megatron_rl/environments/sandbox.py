@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # uids the sandboxes run as when the caller is root: far above regular users (<= 60000), systemd's
 # dynamic users (61184-65519) and its container ranges (up to 1879048191), below the signed-int edge
 UID_BASE, UID_COUNT = 2_000_000_000, 1024
+UID_BLOCKS = (2**31 - 1 - UID_BASE) // UID_COUNT  # one block per process, chosen by pid
 UNSHARE = (shutil.which("unshare") or "/usr/bin/unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
            "--kill-child")
 Isolation = Literal["userns", "none"]
@@ -108,18 +109,30 @@ class SandboxResult:
 
 
 class _UidPool:
-    """Distinct uids for concurrent runs (RLIMIT_NPROC is a per-uid count)."""
+    """Distinct uids for concurrent runs (RLIMIT_NPROC is a per-uid count): a block of
+    ``UID_COUNT`` per process, chosen by pid, so two processes (DP ranks, test workers, a forked
+    child) running sandboxes at once do not count each other's processes."""
 
     def __init__(self) -> None:
-        self._lock, self._free = threading.Lock(), list(range(UID_BASE + UID_COUNT - 1, UID_BASE - 1, -1))
+        self._lock, self._pid, self._free = threading.Lock(), -1, []
+
+    def _base(self) -> int:
+        return UID_BASE + (self._pid % UID_BLOCKS) * UID_COUNT
+
+    def _refill_if_forked(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._free = list(range(self._base() + UID_COUNT - 1, self._base() - 1, -1))
 
     def take(self) -> int:
         with self._lock:
-            return self._free.pop() if self._free else UID_BASE  # 1024 at once: they share one
+            self._refill_if_forked()
+            return self._free.pop() if self._free else self._base()  # 1024 at once: they share one
 
     def give(self, uid: int) -> None:
         with self._lock:
-            if uid not in self._free:
+            self._refill_if_forked()
+            if self._base() <= uid < self._base() + UID_COUNT and uid not in self._free:
                 self._free.append(uid)
 
 
