@@ -86,3 +86,24 @@ def _local(leader: FakeLeader) -> list[tuple[float, float]]:
 
 def _remote(leader: FakeLeader) -> list[float]:
     return [e[4] for e in leader.events if e[0] == "mb" and e[1] != 0]
+
+
+def test_bench_dispatcher_reports_its_figures_in_one_json_line(capsys, monkeypatch):
+    """``tools/bench_dispatcher.py`` at a tiny scale: one JSON line, every figure there, and a
+    micro-batch shipped without its Sample records is smaller and pickles faster."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_dispatcher.py"
+    spec = importlib.util.spec_from_file_location("bench_dispatcher", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(__import__("sys").modules, "bench_dispatcher", bench)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    assert bench.main(["--replicas", "4", "--engines", "2", "--prompts", "8", "--group-size", "4",
+                       "--median-response", "64", "--max-response", "256", "--steps", "1"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(line)
+    assert report["replicas"] == 4 and report["tokens_per_step"] > 8 * 4
+    assert report["groups_per_s"] > 0 and report["mb_per_s"] > 0 and report["rank0_cpu_s_per_step"] > 0
+    assert report["shipped_mb_per_1m_tokens"] < report["with_samples_mb_per_1m_tokens"]

@@ -17,7 +17,8 @@ by a ``rewards.RewardPool``). Prints one JSON line:
     (process CPU seconds, every thread), step_s, tokens_per_step, rank0_cpu_s_per_1m_tokens,
     shipped_mb_per_1m_tokens / with_samples_mb_per_1m_tokens (a micro-batch shipped without /
     with its Sample records: before and after ``rl_step.shipped``), pack_s_per_1m_tokens,
-    pickle_s_per_1m_tokens.
+    pickle_s_per_1m_tokens (and with_samples_pickle_s_per_1m_tokens). pack / pickle seconds are wall
+    time in their threads: on a loaded machine prefer the CPU figures.
 """
 
 from __future__ import annotations
@@ -150,10 +151,16 @@ class FakeReplicas:
             if self.count % 8 == 1:
                 self.kept.append(mb)
 
-    def samples_factor(self) -> float:
-        """Bytes of a micro-batch shipped with its Sample records / without them (the kept ones)."""
-        with_samples = sum(len(pickle.dumps(("train_micro_batch", (mb,)))) for mb in self.kept)
-        return with_samples / max(1, sum(len(pickle.dumps(("train_micro_batch", (shipped(mb),)))) for mb in self.kept))
+    def samples_factors(self) -> tuple[float, float]:
+        """(bytes, pickling seconds) of the kept micro-batches shipped with their Sample records,
+        over the same shipped without them (``rl_step.shipped``): the cost before / after."""
+        sizes, seconds = [0, 0], [0.0, 0.0]
+        for mb in self.kept:
+            for i, message in enumerate((mb, shipped(mb))):
+                start = time.perf_counter()
+                sizes[i] += len(pickle.dumps(("train_micro_batch", (message,))))
+                seconds[i] += time.perf_counter() - start
+        return sizes[0] / max(sizes[1], 1), seconds[0] / max(seconds[1], 1e-9)
 
     def optimizer_step(self) -> None:
         pass
@@ -204,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.reward_workers:
         reward.close()
     cpu, wall = cpu - fleet.prepare_cpu_s, wall - fleet.prepare_wall_s
+    bytes_factor, pickle_factor = replicas.samples_factors()
     per_m = 1e6 / max(tokens, 1)
     return {
         "replicas": args.replicas, "engines": args.engines, "prompts": args.prompts, "group_size": args.group_size,
@@ -211,8 +219,9 @@ def run(args: argparse.Namespace) -> dict:
         "groups_per_s": args.prompts * args.steps / wall, "mb_per_s": replicas.shipped_bytes / 1e6 / wall,
         "rank0_cpu_s_per_step": cpu / args.steps, "rank0_cpu_s_per_1m_tokens": cpu * per_m,
         "shipped_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m,
-        "with_samples_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m * replicas.samples_factor(),
+        "with_samples_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m * bytes_factor,
         "pack_s_per_1m_tokens": pack_s[0] * per_m, "pickle_s_per_1m_tokens": replicas.pickle_s * per_m,
+        "with_samples_pickle_s_per_1m_tokens": replicas.pickle_s * per_m * pickle_factor,
         "reward_ms": args.reward_ms, "reward_workers": args.reward_workers,
     }
 
