@@ -22,6 +22,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 PROMPTS = (
     "What is 17 + 25? Answer with a number.",
@@ -34,9 +35,11 @@ PROMPTS = (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from megatron_rl.config.schema import DType, EngineName
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    p.add_argument("--engine-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--engine", choices=get_args(EngineName), default="hf")
+    p.add_argument("--engine-dtype", choices=get_args(DType), default="float32")
     p.add_argument("--model", default=".cache/models/smollm2-135m-instruct", help="local HF checkpoint directory")
     p.add_argument("--tiny", action="store_true", help="use a tiny random Llama (char tokenizer) instead")
     p.add_argument("--groups", type=int, default=4)
