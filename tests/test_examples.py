@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.distributed import run_distributed
 from tests.rl_fixtures import make_tiny_rl_model, train_run
@@ -25,21 +26,35 @@ def tiny_model(tmp_path_factory):
     return make_tiny_rl_model(tmp_path_factory.mktemp("examples") / "model")
 
 
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """For multi-turn recipes (an ``environment`` section): the chat template renders the tools."""
+    from tests.multiturn_fixtures import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("examples") / "chat_model")
+
+
 def test_every_recipe_is_covered():
-    assert {"demo", "grpo_smollm2", "dapo_smollm2", "ppo_stale_smollm2"} <= set(RECIPES)
+    assert {"demo", "grpo_smollm2", "dapo_smollm2", "ppo_stale_smollm2", "tool_calc_smollm2"} <= set(RECIPES)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_on_a_tiny_model(recipe, tiny_model, tmp_path):
+def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     steps = STEPS.get(recipe, 2)
-    overrides = [f"model.hf_path={tiny_model}", "data.chat_template=false", "data.size=32",
+    multiturn = "environment" in yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())
+    model = request.getfixturevalue("tiny_chat_model" if multiturn else "tiny_model")
+    overrides = [f"model.hf_path={model}", "data.chat_template=false", "data.size=32",
                  "rollout.sampling.max_new_tokens=16", f"trainer.steps={steps}", f"trainer.log_dir={tmp_path}",
                  "algorithm.overlong.buffer=4"]
+    if multiturn:  # one character a token: the tool description alone is ~700 tokens
+        overrides += ["environment.max_total_tokens=1200", "pipeline.micro_batch_tokens=1200"]
     (history,) = run_distributed(train_run, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides,
                                  timeout_s=900)
     assert [h["train/version"] for h in history] == [float(v) for v in range(1, steps + 1)]
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps
+    if multiturn:
+        assert all(h["multiturn/model_tokens"] > 0 for h in history)
     if recipe == "ppo_stale_smollm2":  # the engine probe measures every step; δ masking is on (stale samples too)
         assert all(h["mismatch_probe/n_tokens"] > 0 and "mismatch/delta_dropped_tokens" in h for h in history)

@@ -143,8 +143,15 @@ def assert_trained_ids_are_engine_and_template_ids(recording, results):
     turns = {}
     for r in results:
         turns.setdefault(r.request_id.rsplit("/", 1)[0], []).append(r)
-    samples = [s for item in read_recording(recording) if isinstance(item, ScoredGroup) for s in item.samples]
+    groups = [item for item in read_recording(recording) if isinstance(item, ScoredGroup)]
+    samples = [s for g in groups for s in g.samples]
     assert len(samples) == 3 * 4 * 4
+    for g in groups:  # DAPO overlong, written out: the whole response against the budget left after the
+        room, buffer = 160 - len(g.samples[0].prompt_ids), 4  # prompt; a truncated one counts as reaching it
+        for s, shaped in zip(g.samples, g.rewards.tolist(), strict=True):
+            length = room if s.truncated else len(s.response_ids)
+            penalty = 0.0 if length <= room - buffer else -1.0 if length > room else -(length - room + buffer) / buffer
+            assert shaped == pytest.approx(s.reward + penalty, abs=1e-6), s.request_id
     for s in samples:
         own = sorted(turns[s.request_id], key=lambda r: int(r.request_id.rsplit("/", 1)[1]))
         full, mask, behav = s.prompt_ids + s.response_ids, [0] * len(s.response_ids), [0.0] * len(s.response_ids)
