@@ -190,6 +190,9 @@ class MultiTurnRollout:
                 if shared is not None and ids != shared:
                     raise ValueError(f"environment reset gave trajectory {k} of {start.base!r} another first prompt "
                                      "than trajectory 0: reset must depend on the record only (shared prompt)")
+                if len(ids) >= self.settings.max_total_tokens:
+                    raise ValueError(f"{start.base}: the first prompt has {len(ids)} tokens, no room for a model turn "
+                                     f"under environment.max_total_tokens={self.settings.max_total_tokens}")
                 shared = ids
                 key = f"{start.base}/{k}"
                 live[key] = _Live(key=key, p=p, k=k, env=env, prompt_ids=ids,

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
-
 from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrection
 from megatron_rl.config import Config
 from megatron_rl.control import SAGCSettings
