@@ -6,7 +6,8 @@ Panels: reward, response lengths, throughput (tokens/s/device and completion tok
 phase breakdown of every step (stacked; the same exclusive phases as
 ``python -m megatron_rl bench``), and KL / clip fractions / mismatch (whichever ``loss/…`` and
 ``mismatch/…`` keys the run logged); multi-turn runs add turns per trajectory, tool calls /
-errors / environment failures, and model vs observation tokens with the seconds in environments. Writes ``RUN_DIR/dashboard.png`` by default (matplotlib,
+errors / environment failures, and model vs observation tokens with the seconds in
+environments. Writes ``RUN_DIR/dashboard.png`` by default (matplotlib,
 Agg backend: no display needed) and prints its path.
 """
 

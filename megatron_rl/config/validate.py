@@ -140,7 +140,8 @@ def check_multiturn_budget(cfg: Config) -> Found:
     e, p = cfg.environment, cfg.pipeline
     if e.kind != "none" and p.micro_batch_tokens < e.max_total_tokens:
         yield ("pipeline.micro_batch_tokens", f"{p.micro_batch_tokens} < environment.max_total_tokens "
-               f"({e.max_total_tokens}): a whole trajectory must fit a micro-batch; raise it to >= {e.max_total_tokens}")
+               f"({e.max_total_tokens}): a whole trajectory must fit a micro-batch; "
+               f"raise it to >= {e.max_total_tokens}")
 
 
 def check_temperature(cfg: Config) -> Found:
