@@ -17,8 +17,8 @@ by a ``rewards.RewardPool``). Prints one JSON line:
     (process CPU seconds, every thread), step_s, tokens_per_step, rank0_cpu_s_per_1m_tokens,
     shipped_mb_per_1m_tokens / with_samples_mb_per_1m_tokens (a micro-batch shipped without /
     with its Sample records: before and after ``rl_step.shipped``), pack_s_per_1m_tokens,
-    pickle_s_per_1m_tokens (and with_samples_pickle_s_per_1m_tokens). pack / pickle seconds are wall
-    time in their threads: on a loaded machine prefer the CPU figures.
+    pickle_s_per_1m_tokens (and with_samples_pickle_s_per_1m_tokens): CPU seconds of the threads
+    doing it, so a loaded machine inflates step_s but hardly these.
 """
 
 from __future__ import annotations
@@ -142,10 +142,10 @@ class FakeReplicas:
     def train_micro_batch(self, mb) -> None:
         if mb.replica == 0:
             return
-        start = time.perf_counter()
+        start = time.thread_time()
         payload = pickle.dumps(("train_micro_batch", (shipped(mb),)))
         with self._lock:
-            self.pickle_s += time.perf_counter() - start
+            self.pickle_s += time.thread_time() - start
             self.shipped_bytes += len(payload)
             self.count += 1
             if self.count % 8 == 1:
@@ -157,9 +157,9 @@ class FakeReplicas:
         sizes, seconds = [0, 0], [0.0, 0.0]
         for mb in self.kept:
             for i, message in enumerate((mb, shipped(mb))):
-                start = time.perf_counter()
+                start = time.thread_time()
                 sizes[i] += len(pickle.dumps(("train_micro_batch", (message,))))
-                seconds[i] += time.perf_counter() - start
+                seconds[i] += time.thread_time() - start
         return sizes[0] / max(sizes[1], 1), seconds[0] / max(seconds[1], 1e-9)
 
     def optimizer_step(self) -> None:
@@ -178,11 +178,11 @@ def _timed_packing():
     inner = records_mod.make_micro_batch
 
     def timed(*a, **k):
-        start = time.perf_counter()
+        start = time.thread_time()  # CPU of the calling thread: robust to a loaded machine
         try:
             return inner(*a, **k)
         finally:
-            box[0] += time.perf_counter() - start
+            box[0] += time.thread_time() - start
 
     batching.make_micro_batch = timed
     return box
