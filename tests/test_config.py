@@ -332,6 +332,8 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
         (["algorithm.advantage.scale=batch"], {"algorithm.advantage.scale"}, ["defeats periodic"]),
         (["pipeline.micro_batch_tokens=300"], {"pipeline.micro_batch_tokens"},
          ["data.max_prompt_tokens (512) + rollout.sampling.max_new_tokens (256) = 768"]),
+        (["environment.kind=echo", "environment.max_total_tokens=8192"], {"pipeline.micro_batch_tokens"},
+         ["environment.max_total_tokens (8192)", "a whole trajectory"]),
         (["rollout.sync_bucket_mb=0"], {"rollout.sync_bucket_mb"}, ["> 0"]),
         (
             ["control.kind=sagc", "control.sagc.candidates=[1, 4]", "control.group_size=4"],
