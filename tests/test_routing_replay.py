@@ -142,3 +142,25 @@ def test_config_refuses_replay_without_moe_or_without_route_output(tmp_path):
         with pytest.raises(ConfigError, match=words) as info:
             load_config(path, [*replay, *extra], hf_config=hf)
         assert "algorithm.routing_replay" in str(info.value)
+
+
+def test_routes_survive_dp_shipping_and_the_vllm_output():
+    import pickle
+    from types import SimpleNamespace
+
+    from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
+    from megatron_rl.rollout.vllm_worker import _result
+    from megatron_rl.trainer.rl_step import shipped
+
+    rng = np.random.default_rng(2)
+    group = _group([_sample(k, (4, 5, 6), n, rng) for k, n in enumerate((2, 4))])
+    mb = make_micro_batch([group], policy_version=0, replica=1)
+    sent = pickle.loads(pickle.dumps(shipped(mb)))  # what DispatchChannel sends another replica
+    assert sent.groups == () and torch.equal(sent.packed.routed_experts, _expected(group.samples))
+    # vLLM's CompletionOutput.routed_experts [prompt + response - 1, layers, top_k] -> GenerationResult
+    routes = rng.integers(0, EXPERTS, (3 + 2 - 1, LAYERS, TOP_K))
+    completion = SimpleNamespace(token_ids=[7, 8], logprobs=[{7: SimpleNamespace(logprob=-1.0)},
+                                                            {8: SimpleNamespace(logprob=-2.0)}],
+                                 finish_reason="length", routed_experts=routes)
+    request = GenerationRequest(request_id="r", prompt_ids=(1, 2, 3), sampling=SamplingSettings())
+    assert _result(request, completion, 0).routed_experts == RoutedExperts(routes)
