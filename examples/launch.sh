@@ -4,8 +4,10 @@
 # One node:   NPROC_PER_NODE=4 examples/launch.sh CONFIG.yaml
 # Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] \
 #               DEVICES_PER_NODE=8 ENGINE_DEVICES=4 examples/launch.sh CONFIG.yaml
-# The rollout engines run on node 0 (global rank 0 starts them on rollout.devices), so node 0 trains
-# on DEVICES_PER_NODE - ENGINE_DEVICES ranks and every other node on DEVICES_PER_NODE; NPROC_PER_NODE
+# Engine e runs on node rollout.engine_nodes[e] (default: all on node 0, started by global rank 0);
+# on a node > 0 this script also starts the node's engine host (`megatron_rl serve`, see
+# examples/platform_env.sh). Node n trains on DEVICES_PER_NODE minus its engine devices
+# (ENGINE_DEVICES: one count for node 0, or a comma list per node, e.g. "4,4"); NPROC_PER_NODE
 # overrides this node's count. `python -m megatron_rl plan CONFIG --nodes N --devices-per-node D
 # --device KIND` prints the layout. ROLLOUT_DEVICES, PLATFORM, SOCKET_IFNAME, NODE_IP: see
 # examples/platform_env.sh.
@@ -32,6 +34,7 @@ else
   rendezvous=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "${MASTER_ADDR:?set MASTER_ADDR to node 0}"
               --master_port "$MASTER_PORT")
 fi
+start_engine_host "$CONFIG" "${ROLLOUT_OVERRIDES[@]}" "$@"
 run_or_print "${PY:-.venv/bin/python}" -m torch.distributed.run "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" \
   --max-restarts "${MAX_RESTARTS:-0}" \
   -m megatron_rl train "$CONFIG" --platform "$PLATFORM" "${ROLLOUT_OVERRIDES[@]}" "$@"

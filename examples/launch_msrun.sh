@@ -3,8 +3,9 @@
 #
 # Each node:  NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> [MASTER_PORT=29500] \
 #               DEVICES_PER_NODE=8 ENGINE_DEVICES=4 examples/launch_msrun.sh CONFIG.yaml
-# Node 0 trains on DEVICES_PER_NODE - ENGINE_DEVICES ranks (its other devices run the rollout
-# engines), the other nodes on DEVICES_PER_NODE (see examples/platform_env.sh). msrun starts this
+# Node n trains on DEVICES_PER_NODE minus its engine devices (ENGINE_DEVICES: node 0's count, or a
+# comma list per node; rollout.engine_nodes places the engines, a node > 0's run in the engine host
+# this script starts there; see examples/platform_env.sh). msrun starts this
 # node's workers (and, on the master node, a scheduler process running the same command). Each
 # worker re-enters this script, which sets the torch.distributed variables (RANK = RANK_BASE +
 # LOCAL_RANK: msrun's own RANK_ID assumes equal nodes; WORLD_SIZE = TRAIN_WORLD_SIZE; MASTER_ADDR /
@@ -40,6 +41,7 @@ PLATFORM=${PLATFORM:-npu}
 source examples/platform_env.sh
 export PY
 
+start_engine_host "$CONFIG" "${ROLLOUT_OVERRIDES[@]}" "$@"
 # msrun has no restart option of its own (its flags stop at --tail_worker_log): MAX_RESTARTS=N runs it
 # again, on every node, up to N times after a failed run (a dead rank ends the whole job: --join=True);
 # with trainer.resume_from=auto each run continues from save_dir's last complete checkpoint.

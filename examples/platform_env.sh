@@ -1,12 +1,13 @@
 # shellcheck shell=bash
 # The platform's environment for a training launch, sourced by examples/launch.sh and
 # examples/launch_msrun.sh. Every variable keeps a value the caller already exported.
-#   PLATFORM        npu | cuda | cpu | auto (default: npu-smi present -> npu, nvidia-smi -> cuda, else cpu)
+#   PLATFORM        npu | cuda | cpu | emulated | auto (default: npu-smi present -> npu, nvidia-smi -> cuda, else cpu)
 #   SOCKET_IFNAME   network interface of the cluster network (eth0, bond0, ...): sets HCCL_/NCCL_/GLOO_SOCKET_IFNAME
 #   NODE_IP         this node's address on that network: sets HCCL_IF_IP (Ascend)
-#   DEVICES_PER_NODE  accelerators per node; ENGINE_DEVICES: how many of node 0's the rollout engines
-#                   take (rollout.devices). They give NPROC_PER_NODE (training ranks on this node) unless
-#                   it is set: node 0 DEVICES_PER_NODE - ENGINE_DEVICES, other nodes DEVICES_PER_NODE;
+#   DEVICES_PER_NODE  accelerators per node; ENGINE_DEVICES: how many devices the rollout engines take
+#                   on each node, a comma list "n0,n1,..." (one number: node 0 only; rollout.devices and
+#                   rollout.engine_nodes place them). They give NPROC_PER_NODE (training ranks on this node)
+#                   unless it is set: DEVICES_PER_NODE minus this node's ENGINE_DEVICES entry;
 #                   without DEVICES_PER_NODE, NPROC_PER_NODE defaults to NPROC or 1 (CPU recipes).
 PLATFORM=${PLATFORM:-auto}
 if [[ $PLATFORM == auto ]]; then
@@ -18,17 +19,24 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 ENGINE_DEVICES=${ENGINE_DEVICES:-0}
+IFS=',' read -r -a _engine_devices <<< "$ENGINE_DEVICES"   # per node; a missing entry is 0
+_train_ranks() { echo $((DEVICES_PER_NODE - ${_engine_devices[$1]:-0})); }
 if [[ -z ${NPROC_PER_NODE:-} ]]; then
   if [[ -n ${DEVICES_PER_NODE:-} ]]; then
-    NPROC_PER_NODE=$((NODE_RANK == 0 ? DEVICES_PER_NODE - ENGINE_DEVICES : DEVICES_PER_NODE))
+    NPROC_PER_NODE=$(_train_ranks "$NODE_RANK")
   else
     NPROC_PER_NODE=${NPROC:-1}
   fi
 fi
 # Training world and this node's first global rank (torchrun counts the same way; msrun workers need them).
 if [[ -n ${DEVICES_PER_NODE:-} ]]; then
-  TRAIN_WORLD_SIZE=${TRAIN_WORLD_SIZE:-$((NNODES * DEVICES_PER_NODE - ENGINE_DEVICES))}
-  RANK_BASE=${RANK_BASE:-$((NODE_RANK == 0 ? 0 : NODE_RANK * DEVICES_PER_NODE - ENGINE_DEVICES))}
+  _world=0; _base=0
+  for ((_node = 0; _node < NNODES; _node++)); do
+    if ((_node == NODE_RANK)); then _base=$_world; fi
+    _world=$((_world + $(_train_ranks "$_node")))
+  done
+  TRAIN_WORLD_SIZE=${TRAIN_WORLD_SIZE:-$_world}
+  RANK_BASE=${RANK_BASE:-$_base}
 else
   TRAIN_WORLD_SIZE=${TRAIN_WORLD_SIZE:-$((NNODES * NPROC_PER_NODE))}
   RANK_BASE=${RANK_BASE:-$((NODE_RANK * NPROC_PER_NODE))}
@@ -68,9 +76,9 @@ case $PLATFORM in
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     ;;
-  cpu) ;;
+  cpu | emulated) ;;  # emulated: the test suite's accelerator on the CPU (megatron_rl.platform.emulated)
   *)
-    echo "PLATFORM must be npu, cuda, cpu or auto, got '$PLATFORM'" >&2
+    echo "PLATFORM must be npu, cuda, cpu, emulated or auto, got '$PLATFORM'" >&2
     exit 2
     ;;
 esac
@@ -86,6 +94,25 @@ if [[ -n ${ROLLOUT_DEVICES:-} ]]; then
   # shellcheck disable=SC2034
   ROLLOUT_OVERRIDES=("rollout.devices=[${_list%,}]" "rollout.num_engines=${#_engines[@]}")
 fi
+
+# Nodes > 0 of a multi-node launch: this node's rollout engines (rollout.engine_nodes) run in an
+# engine host, `python -m megatron_rl serve CONFIG [overrides] --node-rank N`, in the background; it
+# serves the dispatcher on global rank 0 (rollout.sync_address:rollout.engine_port) and exits when
+# the run ends (at once when the config places no engine on this node). NODE_IP: its address for the
+# weight-sync groups; SERVE_ARGS: more flags of `serve` (e.g. chaos runs: "--chaos-crash 0.1").
+# Dry run: printed as ENGINE_HOST_COMMAND.
+start_engine_host() {
+  if [[ $NNODES -le 1 || $NODE_RANK == 0 ]]; then return 0; fi
+  local cmd=("${PY:-.venv/bin/python}" -m megatron_rl serve "$@" --node-rank "$NODE_RANK") extra
+  if [[ -n ${NODE_IP:-} ]]; then cmd+=(--address "$NODE_IP"); fi
+  read -r -a extra <<< "${SERVE_ARGS:-}"
+  cmd+=("${extra[@]}")
+  if [[ ${MEGATRON_RL_DRY_RUN:-0} == 1 ]]; then
+    echo "export ENGINE_HOST_COMMAND=$(printf '%q ' "${cmd[@]}")"
+    return 0
+  fi
+  "${cmd[@]}" &
+}
 
 # MEGATRON_RL_DRY_RUN=1: print the platform environment and the command instead of running it.
 run_or_print() {

@@ -1,5 +1,5 @@
 """Command line: ``python -m megatron_rl train CONFIG.yaml [a.b.c=value ...]`` (also ``replay``,
-``bench``, ``check-config``).
+``bench``, ``plan``, ``serve``, ``check-config``).
 
 Launch one process per training rank with ``torchrun`` (or ``msrun`` on Ascend); a single
 process is fine for ``tp = pp = 1``. Config errors are reported before anything starts.
@@ -60,15 +60,18 @@ def _add_run_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    """``bench``, ``plan`` and ``check-config``, each with its module's flags."""
+    """``bench``, ``plan``, ``serve`` and ``check-config``, each with its module's flags."""
     from megatron_rl.bench.options import add_arguments as add_bench_arguments
     from megatron_rl.plan.command import add_arguments as add_plan_arguments
+    from megatron_rl.rollout.serve import add_arguments as add_serve_arguments
 
     for name, help_, config_help, add in (
         ("bench", "measure throughput: e2e loop, trainer alone or engines alone (JSON line)",
          "YAML config file (see examples/)", add_bench_arguments),
         ("plan", "print ranks, engines and memory per training device; refuse what does not fit",
          "YAML config file (see examples/recipes/)", add_plan_arguments),
+        ("serve", "run this node's rollout engines for the dispatcher on global rank 0",
+         "YAML config file (the training run's)", add_serve_arguments),
     ):
         command = sub.add_parser(name, help=help_)
         command.add_argument("config", help=config_help)
@@ -91,8 +94,9 @@ def _run(cfg, args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0
-    if args.command in ("plan", "bench"):
-        module, function = {"plan": ("megatron_rl.plan.command", "plan_command"),
+    if args.command in ("serve", "plan", "bench"):
+        module, function = {"serve": ("megatron_rl.rollout.serve", "serve_command"),
+                            "plan": ("megatron_rl.plan.command", "plan_command"),
                             "bench": ("megatron_rl.bench.runner", "bench_command")}[args.command]
         return getattr(importlib.import_module(module), function)(cfg, args)
     if args.command == "train" and args.rollout_only:

@@ -73,11 +73,25 @@ def test_torchrun_two_nodes_command_and_cuda_environment():
     assert argv[split:split + 4] == ["-m", "megatron_rl", "train", CONFIG]
     assert _flag(argv, "--platform") == "cuda"
     assert argv[-3:] == ['rollout.devices=["cuda:4,5","cuda:6,7"]', "rollout.num_engines=2", "trainer.steps=3"]
+    # node 1's engine host (serves rollout.engine_nodes' engines of node 1; exits at once if none)
+    assert shlex.split(exports.pop("ENGINE_HOST_COMMAND"))[1:] == [
+        "-m", "megatron_rl", "serve", CONFIG, *argv[-3:], "--node-rank", "1"]
     assert exports == {"PLATFORM": "cuda", "TRAIN_WORLD_SIZE": "12", "RANK_BASE": "4",
                        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
     _, node0 = _dry_run(LAUNCH, CONFIG, NNODES="2", NODE_RANK="0", MASTER_ADDR="10.0.0.1", DEVICES_PER_NODE="8",
                         ENGINE_DEVICES="4", PLATFORM="cuda")
     assert _flag(node0, "--nproc_per_node") == "4"  # node 0 keeps GPUs 4-7 for the engines
+
+
+def test_engine_devices_per_node_give_each_node_its_ranks():
+    """ENGINE_DEVICES="2,4": node 0 keeps 2 devices for engines, node 1 keeps 4 (rollout.engine_nodes)."""
+    ranks = []
+    for node in (0, 1):
+        exports, argv = _dry_run(LAUNCH, CONFIG, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="10.0.0.1",
+                                 DEVICES_PER_NODE="8", ENGINE_DEVICES="2,4", PLATFORM="cpu")
+        ranks.append((_flag(argv, "--nproc_per_node"), exports["TRAIN_WORLD_SIZE"], exports["RANK_BASE"]))
+        assert ("ENGINE_HOST_COMMAND" in exports) == (node == 1)
+    assert ranks == [("6", "10", "0"), ("4", "10", "6")]
 
 
 def test_rollout_devices_override_is_accepted_by_the_config_loader():

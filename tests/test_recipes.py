@@ -26,6 +26,7 @@ RECIPES_DIR = REPO / "examples" / "recipes"
 # recipe: (device, nodes, devices per node) it is sized for (its YAML header says the same)
 RECIPES = {
     "qwen2.5-7b-grpo-910b": ("910b", 2, 8),
+    "qwen2.5-7b-grpo-910b-2node": ("910b", 2, 8),  # engines on both nodes (rollout.engine_nodes)
     "qwen3-8b-dapo-h200": ("h200", 1, 8),
     "qwen3-30b-a3b-910b": ("910b", 2, 8),  # MoE, ep 4, routing replay
     "qwen2.5-7b-grpo-sagc": ("h100", 2, 8),

@@ -2,15 +2,17 @@
 
 Contract (what `examples/launch.sh` and `examples/launch_msrun.sh` launch):
 
-- The engines run on node 0: global rank 0 is the one dispatcher that starts them
-  (`pipeline/dispatch.py`), so ``rollout.devices`` names device ids of node 0 (``"npu:6,7"``);
-  engine processes set their own ``*_VISIBLE_DEVICES`` from them. CPU engines (``"cpu:0-3"``,
-  pinned cores) take no device.
+- Engine e runs on node ``rollout.engine_nodes[e]`` (node 0 when the list is empty) on the
+  device ids ``rollout.devices[e]`` of that node; engine processes set their own
+  ``*_VISIBLE_DEVICES`` from them. Node 0's engines are global rank 0's own workers, every
+  other node's run in that node's engine host (``python -m megatron_rl serve``), reached over
+  the network by the one dispatcher on rank 0. CPU engines (``"cpu:0-3"``, pinned cores)
+  take no device.
 - Training ranks take every other device: local rank i uses device i (torch's
-  ``set_device(LOCAL_RANK)``), so node 0 runs ``devices_per_node - engine devices`` ranks and
-  its engine ids must lie at or above that count; every other node runs ``devices_per_node``
-  ranks. Global ranks are numbered node by node (torchrun's cumulative assignment; the msrun
-  launcher computes the same ``RANK_BASE``).
+  ``set_device(LOCAL_RANK)``), so node n runs ``devices_per_node - (engine devices of node n)``
+  ranks and its engine ids must lie at or above that count. Global ranks are numbered node
+  by node (torchrun's cumulative assignment; the msrun launcher computes the same
+  ``RANK_BASE``).
 - The TP / PP / DP coordinates of a global rank are megatron-core's (its ``RankGenerator``,
   order ``tp-cp-ep-dp-pp``: TP fastest). A TP group that spans two nodes works but pays the
   inter-node network on every layer: the plan warns.
@@ -47,7 +49,12 @@ class ClusterLayout:
     pp: int
     dp: int
     ranks: tuple[RankPlace, ...]
-    engine_devices: tuple[str, ...]  # rollout.devices: the engines, on node 0
+    engine_devices: tuple[str, ...]  # rollout.devices: one device string per engine
+    engine_nodes: tuple[int, ...]  # the node of each engine (rollout.engine_nodes, or all 0)
+
+    def engines_on(self, node: int) -> list[int]:
+        """Indices of the engines that run on ``node``."""
+        return [e for e, n in enumerate(self.engine_nodes) if n == node]
 
     @property
     def world_size(self) -> int:
@@ -70,34 +77,49 @@ class LayoutError(ValueError):
     """A launch layout that cannot work; the message names the key or flag to change."""
 
 
-def engine_device_ids(cfg: Config) -> list[int]:
-    """Device ids one node's engines occupy (CPU engines occupy none)."""
+def engine_nodes(cfg: Config) -> tuple[int, ...]:
+    """The node of each engine (``rollout.engine_nodes``; every engine on node 0 when empty)."""
+    return tuple(cfg.rollout.engine_nodes) or (0,) * cfg.rollout.num_engines
+
+
+def engine_device_ids(cfg: Config, node: int = 0) -> list[int]:
+    """Device ids ``node``'s engines occupy (CPU engines occupy none)."""
     ids: list[int] = []
+    nodes = engine_nodes(cfg)
     for i, text in enumerate(cfg.rollout.devices):
         device = parse_device(text, f"rollout.devices[{i}]")
-        if device.kind != "cpu":
+        if device.kind != "cpu" and nodes[i] == node:
             ids += list(device.ids)
     return ids
+
+
+def _training_ranks(cfg: Config, node: int, devices_per_node: int) -> int:
+    """Training ranks of ``node``: the devices its engines leave (they must take the top ids)."""
+    engine_ids = engine_device_ids(cfg, node)
+    where = f"rollout.devices of node {node} (rollout.engine_nodes)"
+    if len(set(engine_ids)) != len(engine_ids):
+        raise LayoutError(f"{where} {cfg.rollout.devices} name a device twice")
+    ranks = devices_per_node - len(engine_ids)
+    if ranks < 1:
+        raise LayoutError(f"{where} take all {devices_per_node} devices of node {node}; "
+                          "leave some for training or raise --devices-per-node")
+    clash = [i for i in engine_ids if i < ranks or i >= devices_per_node]
+    if clash:
+        raise LayoutError(f"{where}: device(s) {clash} are training devices or absent; node {node}'s training "
+                          f"ranks use ids 0..{ranks - 1} (local rank = device), so name engine ids "
+                          f"{ranks}..{devices_per_node - 1}")
+    return ranks
 
 
 def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLayout:
     """Place training ranks and engines on `nodes` nodes of `devices_per_node` devices."""
     if nodes < 1 or devices_per_node < 1:
         raise LayoutError(f"--nodes ({nodes}) and --devices-per-node ({devices_per_node}) must be >= 1")
-    engine_ids = engine_device_ids(cfg)
-    if len(set(engine_ids)) != len(engine_ids):
-        raise LayoutError(f"rollout.devices {cfg.rollout.devices} name a device twice")
-    node0 = devices_per_node - len(engine_ids)
-    if node0 < 1:
-        raise LayoutError(f"rollout.devices {cfg.rollout.devices} take all {devices_per_node} devices of node 0; "
-                          "leave some for training or raise --devices-per-node")
-    clash = [i for i in engine_ids if i < node0 or i >= devices_per_node]
-    if clash:
-        want = f"ids {node0}..{devices_per_node - 1}"
-        raise LayoutError(f"rollout.devices {cfg.rollout.devices}: device(s) {clash} are training devices or absent; "
-                          f"node 0's training ranks use ids 0..{node0 - 1} (local rank = device), so name engine "
-                          f"{want}")
-    per_node = (node0,) + (devices_per_node,) * (nodes - 1)
+    placed = engine_nodes(cfg)
+    if absent := sorted({n for n in placed if n >= nodes}):
+        raise LayoutError(f"rollout.engine_nodes {list(placed)} names node(s) {absent}, but the launch has "
+                          f"{nodes} node(s); raise --nodes or move those engines")
+    per_node = tuple(_training_ranks(cfg, node, devices_per_node) for node in range(nodes))
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     world = sum(per_node)
     if world % (tp * pp):
@@ -111,7 +133,8 @@ def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLay
     places = [(node, local) for node, n in enumerate(per_node) for local in range(n)]
     ranks = tuple(RankPlace(rank=r, node=node, local_rank=local, **coords[r]) for r, (node, local) in enumerate(places))
     return ClusterLayout(nodes=nodes, devices_per_node=devices_per_node, ranks_per_node=per_node, tp=tp, pp=pp,
-                         dp=dp, ranks=ranks, engine_devices=tuple(cfg.rollout.devices))
+                         dp=dp, ranks=ranks, engine_devices=tuple(cfg.rollout.devices),
+                         engine_nodes=placed)
 
 
 def _coordinates(*, tp: int, pp: int, dp: int) -> dict[int, dict[str, int]]:

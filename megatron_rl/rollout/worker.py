@@ -52,6 +52,7 @@ class WorkerSpec:
     backend: str  # a key of BACKEND_CLASSES, or "package.module:Class"
     model_path: str
     device: DeviceAssignment
+    node: int = 0  # the node it runs on (rollout.engine_nodes): > 0 means its node's engine host starts it
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     max_batch_size: int = 16

@@ -21,6 +21,7 @@ is bounded by ``GroupAddress.timeout_s``.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | No
     store = dist.PrefixStore("megatron_rl/weights", store)
     if address.backend == "gloo":  # options as torch's own new_group builds them: a device on host
         options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address.host)]
+        # a worker on another node binds its pair sockets to its own address (rollout.serve --address)
+        host = address.host if rank == 0 else os.environ.get("MEGATRON_RL_NODE_ADDR", address.host)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, address.world_size, options)
     if address.backend == "nccl":  # the watchdog aborts a collective stuck past the timeout

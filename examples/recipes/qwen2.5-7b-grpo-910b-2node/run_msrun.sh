@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# qwen2.5-7b-grpo-910b-2node with msrun (Ascend), on every node (see config.yaml for the layout):
+#   MODEL_DIR=/path/to/Qwen2.5-7B-Instruct NNODES=2 NODE_RANK=<rank> MASTER_ADDR=<node 0 IP> [NODE_IP=<this node's IP>] \
+#     examples/recipes/qwen2.5-7b-grpo-910b-2node/run_msrun.sh [a.b.c=value ...]
+# Each node trains on 4 NPUs (ENGINE_DEVICES=4,4: its engines take NPUs 4-7); node 1 also runs its
+# engine host. The engines reach rank 0 (and its weight broadcast) at MASTER_ADDR, given to
+# rollout.sync_address (an IP address).
+set -euo pipefail
+export NNODES=${NNODES:-2} DEVICES_PER_NODE=${DEVICES_PER_NODE:-8} ENGINE_DEVICES=${ENGINE_DEVICES:-4,4}
+export LOG_DIR=${LOG_DIR:-runs/qwen2.5-7b-grpo-910b-2node/msrun_logs}
+exec "$(dirname "$0")/../../launch_msrun.sh" examples/recipes/qwen2.5-7b-grpo-910b-2node/config.yaml \
+  "model.hf_path=${MODEL_DIR:?set MODEL_DIR to the Qwen2.5-7B-Instruct checkpoint directory}" \
+  "rollout.sync_address=${MASTER_ADDR:?set MASTER_ADDR to the IP address of node 0}" "$@"
