@@ -39,8 +39,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from megatron_rl.models import DecoderSpec
-from megatron_rl.models.convert import ShardInfo, hf_names, hf_to_shard, match_rule
-from megatron_rl.models.hf_io import export_items, gather_hf, layer_offset
+from megatron_rl.models.convert import EXPERT_KINDS, hf_to_shard, load_names, match_rule
+from megatron_rl.models.hf_io import expert_parallel_size, export_items, gather_hf, layer_offset, shard_info
 from megatron_rl.models.safetensors_stream import SafetensorsStream, TensorEntry
 from megatron_rl.parallel.gather import host_barrier, max_over_world
 
@@ -148,9 +148,9 @@ class _Access:
 
 def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter, object, int | None]]:
     """(megatron name, parameter, conversion rule, global layer) of this PP stage."""
-    offset = layer_offset(model)
+    offset, ep = layer_offset(model), expert_parallel_size()
     for name, param in model.named_parameters():
-        rule, layer = match_rule(name, offset)
+        rule, layer = match_rule(name, offset, ep)
         yield name, param, rule, layer
 
 
@@ -166,6 +166,7 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
     directory = Path(directory)
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     first_dp = ps.get_data_parallel_rank() == 0
+    first_edp = ps.get_expert_data_parallel_rank() == 0  # routed experts: gathered over EP from every DP replica
     writer = first_dp and ps.get_tensor_model_parallel_rank() == 0
     items = export_items(model, spec)
     entries = [TensorEntry(f"{key}/{n}", torch.float32, s) for it in items for key in keys
@@ -175,10 +176,11 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
     path = directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"
     with SafetensorsStream(path, entries, {"format": "pt"}) if writer else nullcontext() as out:
         for item in items:
+            first = first_edp if item.rule.kind in EXPERT_KINDS else first_dp  # of the parameter's DP group
             for key in keys:
                 # non-distributed state is the same on every DP rank: DP rank 0 alone sends it
-                shard = access.local(item.param, key) if first_dp or access.is_distributed(item.param) else None
-                full = gather_hf(item, shard, spec) if first_dp else None  # the TP gather
+                shard = access.local(item.param, key) if first or access.is_distributed(item.param) else None
+                full = gather_hf(item, shard, spec) if first else None  # the TP (experts: TP x EP) gather
                 if full is not None:
                     for name, tensor in zip(item.names, full, strict=True):
                         out.write(f"{key}/{name}", tensor)
@@ -196,21 +198,18 @@ def is_resharding_checkpoint(directory: str | Path) -> bool:
 def load_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | Path) -> None:
     """Restore ``optimizer`` for this rank's shard of ``model`` from ``directory`` (written at
     any layout). Raises ``ValueError`` naming the file or tensor when it does not fit."""
-    from megatron.core import parallel_state as ps
-
     directory = Path(directory)
     meta = json.loads((directory / META_FILE).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{directory / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
     handles = [safe_open(str(f), "pt") for f in sorted(directory.glob("stage-*.safetensors"))]
     file_of = {name: h for h in handles for name in h.keys()}
-    shard = ShardInfo(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                      padded_vocab=model.vocab_size)
+    shard = shard_info(model)
     access = _Access(optimizer)
     for name, param, rule, layer in _named_params(model):
         tensors = {}
         for key in meta["keys"]:
-            wanted = [f"{key}/{n}" for n in hf_names(rule, layer, spec)]
+            wanted = [f"{key}/{n}" for n in load_names(rule, layer, spec, shard)]
             if missing := [w for w in wanted if w not in file_of]:
                 raise ValueError(f"{directory}: no optimizer state {missing[0]!r} for parameter {name}")
             tensors[key] = hf_to_shard(rule, [file_of[w].get_tensor(w) for w in wanted], spec, shard)
