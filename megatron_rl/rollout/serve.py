@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from multiprocessing import AuthenticationError
@@ -107,7 +108,7 @@ def serve(specs: list[WorkerSpec], hub: tuple[str, int], *, timeout_s: float, wr
     """Run ``specs`` (this node's engines) for the hub until it lets go; returns an exit status.
     ``wrap``: applied to each spec the hub sends before its process starts (fault injection)."""
     if not specs:
-        print("engine host: no engine of rollout.engine_nodes is on this node; nothing to serve", flush=True)
+        print("engine host: no engine of rollout.engine_nodes is on this node; nothing to serve", file=sys.stderr)
         return 0
     errors: list[BaseException] = []
 
@@ -121,11 +122,11 @@ def serve(specs: list[WorkerSpec], hub: tuple[str, int], *, timeout_s: float, wr
     for t in threads:
         t.start()
     print(f"engine host: engines {[s.index for s in specs]} of node {specs[0].node} serving {hub[0]}:{hub[1]}",
-          flush=True)
+          file=sys.stderr)
     for t in threads:
         t.join()
     for err in errors:
-        print(f"engine host: {err}", flush=True)
+        print(f"engine host: {err}", file=sys.stderr)
     return 1 if errors else 0
 
 
