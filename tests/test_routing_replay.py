@@ -90,6 +90,10 @@ def test_missing_or_misshapen_routes_are_named():
     with_routes, without = _sample(0, (1, 2, 3), 2, rng), _sample(1, (1, 2, 3), 2, rng, routes=False)
     with pytest.raises(ValueError, match="request '0/p/1' has no routed experts"):
         to_token_group(_group([with_routes, without]))
+    from megatron_rl.trimodel.routing import require_routes
+
+    with pytest.raises(ValueError, match="routing_replay is 'rollout' but request '0/p/1' has no routed experts"):
+        require_routes([with_routes, without])  # rank 0's check before a micro-batch is trained or shipped
     short = RoutedExperts(with_routes.routed_experts.indices[:-1])
     with pytest.raises(ValueError, match="request '0/p/0': routes for 3 tokens, the engine forwarded 4"):
         Sample(**{**with_routes.__dict__, "routed_experts": short})
