@@ -94,7 +94,7 @@ def test_remote_worker_crash_is_restarted_by_its_host_and_reissued_once(tmp_path
     port = free_port()
     host = threading.Thread(target=serve, args=([remote], ("127.0.0.1", port)), kwargs={"timeout_s": 120})
     host.start()
-    pool = WorkerPool([local, remote], max_batch_size=3, request_timeout_s=5, start_timeout_s=120,
+    pool = WorkerPool([local, remote], max_batch_size=3, request_timeout_s=120, start_timeout_s=120,
                       remote=EngineHub("127.0.0.1", port))
     try:
         reqs = [request(f"0/p{j}/{k}", (j + 1, k + 2), max_new=4, seed=k) for j in range(4) for k in range(3)]
