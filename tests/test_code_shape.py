@@ -23,8 +23,6 @@ ALLOWED_LONG: frozenset[str] = frozenset({
     "megatron_rl/algorithms/losses.py::policy_loss",  # 76 lines
     "megatron_rl/models/hf_config.py::transformer_config_from_spec",  # 49
     "megatron_rl/models/hf_io.py::save_hf_checkpoint",  # 48
-    "megatron_rl/parallel/state.py::initialize_parallel",  # 42
-    "megatron_rl/rollout/hf_worker.py::HFBackend._decode",  # 52
 })
 
 

@@ -67,17 +67,7 @@ def initialize_parallel(
         _init_default_group(plat.dist_backend, group_timeout(timeout_s))
     world = dist.get_world_size()
     dp = check_world(world, tp, pp, ep)
-    if parallel_state.model_parallel_is_initialized():
-        if (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_world_size(),
-        ) != (tp, pp, ep):
-            raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
-    else:
-        parallel_state.initialize_model_parallel(distributed_timeout_minutes=group_timeout_minutes(timeout_s),
-                                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
+    _init_model_parallel(tp, pp, ep, timeout_s)
     _build_host_groups(plat)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -92,6 +82,23 @@ def initialize_parallel(
         ep=ep,
     )
     return plat, layout
+
+
+def _init_model_parallel(tp: int, pp: int, ep: int, timeout_s: float) -> None:
+    """megatron's model-parallel groups of these sizes (a no-op when they exist with the same sizes)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        ) != (tp, pp, ep):
+            raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
+    else:
+        parallel_state.initialize_model_parallel(distributed_timeout_minutes=group_timeout_minutes(timeout_s),
+                                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
 
 
 # Host-side twins of the world and of this rank's model-parallel group, on gloo whatever the

@@ -89,10 +89,9 @@ class HFBackend:
         return [torch.Generator().manual_seed(s) for s in seeds]
 
     @torch.no_grad()
-    def _decode(self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]
-                ) -> Iterator[tuple[int, list, list, str]]:
-        """Yield (row, response ids, log-probs, finish reason) per request as rows finish; with
-        route recording on, ``routes[i]`` gets the routes of each token request i forwards."""
+    def _prefill(self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]):
+        """The left-padded prompts through the model: (KV cache, last logits [B, V], next positions
+        [B], attention mask [B, L]); with route recording on, ``routes[i]`` gets request i's prompt routes."""
         prompt_len = max(len(r.prompt_ids) for r in requests)
         ids = torch.zeros(len(requests), prompt_len, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -102,12 +101,18 @@ class HFBackend:
         ids, mask = ids.to(self._device), mask.to(self._device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits, next_pos = out.past_key_values, out.logits[:, -1], positions[:, -1] + 1
         if self._routes is not None:  # the prompt's rows, left padding dropped
             prefill = self._routes.take(len(requests), prompt_len)
             for i, r in enumerate(requests):
                 routes[i].append(prefill[i, prompt_len - len(r.prompt_ids):])
+        return out.past_key_values, out.logits[:, -1], positions[:, -1] + 1, mask
 
+    @torch.no_grad()
+    def _decode(self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]
+                ) -> Iterator[tuple[int, list, list, str]]:
+        """Yield (row, response ids, log-probs, finish reason) per request as rows finish; with
+        route recording on, ``routes[i]`` gets the routes of each token request i forwards."""
+        cache, logits, next_pos, mask = self._prefill(requests, routes)
         temperature = torch.tensor([r.sampling.temperature for r in requests], device=self._device)
         top_p = torch.tensor([r.sampling.top_p for r in requests], device=self._device)
         generators = self._generators(requests)
