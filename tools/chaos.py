@@ -1,6 +1,6 @@
 """Chaos run: a short CPU training under random faults, stopped by SIGTERM and resumed.
 
-    python tools/chaos.py [--steps 6] [--seed 0] [--out DIR]
+    python tools/chaos.py [--steps 6] [--seed 0] [--out DIR] [--scenarios stop,rank-kill]
 
 On a tiny random model with two hf engine workers: seeded per step, a worker is killed
 (SIGKILL) or hung (SIGSTOP: alive but silent, found by ``rollout.request_timeout_s``) in the
@@ -16,6 +16,15 @@ that checkpoint. Prints one JSON line:
 1e-5 relative (``resumed_max_rel_diff``): in periodic mode the gradient of a step is summed in
 the groups' arrival order, which the faults change, so the two runs agree to float rounding.
 Exit status 1 unless lost = duplicates = 0, every sample was trained and resumed_equal.
+
+Scenario ``rank-kill`` (a trainer rank dies: OOM, a lost node): the same seeded run on two
+ranks under ``torchrun --max-restarts 1`` with ``trainer.save_every=1`` and
+``trainer.resume_from=auto``; once ``step_2`` is saved, rank 1 is SIGKILLed mid-run; torchrun
+restarts the world, which continues from the last complete checkpoint. Its figures
+(``rank_kill_*``) are checked the same way: no engine answer lost or duplicated in the steps
+each attempt trained, every sample of every step trained once (the last attempt's row per
+step), and its final weights equal the uninterrupted one-rank run's (DP = 2 sums the same
+gradients: ``tests/test_data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,6 +93,44 @@ def _train(config: str, overrides: list[str], seed: int, answers_file: str) -> N
           engine_factory=lambda s: ChaosEngine(build_engine(s), seed, Path(answers_file)))
 
 
+def _rank_worker(argv: list[str]) -> None:
+    """A torchrun rank of the rank-kill scenario: records its pid, answers go to one file per attempt."""
+    config, seed, out, *overrides = argv
+    rank, attempt = os.environ["RANK"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    (Path(out) / f"pid_rank{rank}_attempt{attempt}").write_text(str(os.getpid()))
+    _train(config, overrides, int(seed), str(Path(out) / f"answers_c{attempt}.txt"))
+
+
+def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
+    """Run the rank-kill scenario (module doc) into ``out``; its figures."""
+    overrides = [f"trainer.save_dir={out}", f"trainer.log_dir={out}/logs", "trainer.save_every=1",
+                 "trainer.resume_from=auto"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--max-restarts", "1", str(Path(__file__)), "--rank-worker", config, str(seed), str(out), *overrides]
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "torchrun.log").open("w") as log:  # both attempts' output, for a post-mortem
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    victim = out / "pid_rank1_attempt0"
+    while proc.poll() is None and not ((out / "step_2").is_dir() and victim.is_file()):
+        time.sleep(0.2)
+    killed = proc.poll() is None
+    if killed:
+        os.kill(int(victim.read_text()), signal.SIGKILL)
+    code = proc.wait()
+    firsts = [min(int(r.split("/")[0]) for r in f.read_text().split()) for f in sorted(out.glob("answers_c1.txt"))]
+    resumed_at = firsts[0] if firsts else steps
+    counts = [_answer_counts(out / "answers_c0.txt", range(resumed_at)),
+              _answer_counts(out / "answers_c1.txt", range(resumed_at, steps))]
+    rows = {}
+    for line in (out / "logs" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row  # a step logged before the kill and again after the restart: the last counts
+    return {"rank_kill_exit": code, "rank_kill_killed": killed, "rank_kill_resumed_at": resumed_at,
+            "rank_kill_duplicates": sum(d for d, _ in counts), "rank_kill_lost": sum(n for _, n in counts),
+            "rank_kill_samples_trained": int(sum(r["train/responses"] for r in rows.values())),
+            "rank_kill_steps_logged": len(rows)}
+
+
 def _spawn(config, overrides, seed, answers, sigterm_after_steps: int | None = None, log_dir=None) -> int:
     proc = mp.get_context("spawn").Process(target=_train, args=(config, overrides, seed, str(answers)))
     proc.start()
@@ -137,10 +185,24 @@ def _answer_counts(path: Path, steps: range) -> tuple[int, int]:
     return duplicates, lost
 
 
-def run(steps: int, seed: int, tmp: Path) -> dict:
+def run(steps: int, seed: int, tmp: Path, scenarios: tuple[str, ...] = ("stop", "rank-kill")) -> dict:
     config = str(_write_config(tmp, steps))
-    a, b = tmp / "uninterrupted", tmp / "stopped"
+    a = tmp / "uninterrupted"
     _spawn(config, [f"trainer.save_dir={a}", f"trainer.log_dir={a}/logs"], seed, tmp / "answers_a.txt")
+    report: dict = {"steps": steps, "scenarios": list(scenarios)}
+    if "stop" in scenarios:
+        report |= _stop_and_resume(config, seed, tmp, steps, a)
+    if "rank-kill" in scenarios:
+        report |= _kill_a_rank(config, seed, tmp / "rank_kill", steps)
+        wa, wc = _weights(a / f"step_{steps}" / "model"), _weights(tmp / "rank_kill" / f"step_{steps}" / "model")
+        gap = max(((wa[k] - wc[k]).abs().max() / wa[k].abs().max()).item() for k in wa)
+        report |= {"rank_kill_resumed_equal": gap <= RESUME_RTOL, "rank_kill_max_rel_diff": gap}
+    return report
+
+
+def _stop_and_resume(config: str, seed: int, tmp: Path, steps: int, a: Path) -> dict:
+    """The SIGTERM-and-resume scenario against the uninterrupted run ``a``; its figures."""
+    b = tmp / "stopped"
     _spawn(config, [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs"], seed, tmp / "answers_b1.txt",
            sigterm_after_steps=2, log_dir=b / "logs")
     stopped_at = max(int(p.name.split("_")[1]) for p in b.glob("step_*"))
@@ -153,7 +215,7 @@ def run(steps: int, seed: int, tmp: Path) -> dict:
     wa, wb = _weights(a / f"step_{steps}" / "model"), _weights(b / f"step_{steps}" / "model")
     gap = max(((wa[k] - wb[k]).abs().max() / wa[k].abs().max()).item() for k in wa)
     return {
-        "steps": steps, "samples_expected": 2 * steps * PROMPTS * GROUP,
+        "samples_expected": 2 * steps * PROMPTS * GROUP,
         "samples_trained": sum(n for _, n in logged), "duplicates": sum(d for d, _ in counts),
         "lost": sum(n for _, n in counts), "resumed_equal": gap <= RESUME_RTOL, "resumed_max_rel_diff": gap,
         "stopped_at_step": stopped_at, "steps_logged": [n for n, _ in logged],
@@ -165,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    parser.add_argument("--scenarios", default="stop,rank-kill", help="stop (SIGTERM + resume), rank-kill")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank-worker"]:
+        _rank_worker(argv[1:])
+        return 0
     args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be >= 3 (SIGTERM comes after step 2)")
@@ -172,11 +239,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="megatron_rl-chaos-") as scratch:
         tmp = args.out or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
-        report = run(args.steps, args.seed, tmp)
+        report = run(args.steps, args.seed, tmp, tuple(args.scenarios.split(",")))
     print(json.dumps(report))
-    ok = (report["lost"] == 0 and report["duplicates"] == 0 and report["resumed_equal"]
-          and report["samples_trained"] == report["samples_expected"])
-    return 0 if ok else 1
+    return 0 if _passed(report) else 1
+
+
+def _passed(report: dict) -> bool:
+    """Nothing lost or duplicated, every sample trained, resumed weights equal, per scenario run."""
+    ok = True
+    if "stop" in report["scenarios"]:
+        ok &= (report["lost"] == 0 and report["duplicates"] == 0 and report["resumed_equal"]
+               and report["samples_trained"] == report["samples_expected"])
+    if "rank-kill" in report["scenarios"]:
+        ok &= (report["rank_kill_killed"] and report["rank_kill_exit"] == 0 and report["rank_kill_lost"] == 0
+               and report["rank_kill_duplicates"] == 0 and report["rank_kill_resumed_equal"]
+               and report["rank_kill_samples_trained"] == report["steps"] * PROMPTS * GROUP)
+    return bool(ok)
 
 
 if __name__ == "__main__":

@@ -162,7 +162,16 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt == "0":
+            dist.init_process_group(backend, timeout=timeout)
+            return
+        # torchrun --max-restarts: the agent's store outlives a failed attempt, and the keys the
+        # dead world left there (its groups' peer addresses) would send this world to dead peers
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"megatron_rl/attempt_{attempt}", client),
+                                rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
         return
     rank, host, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     listener = None
