@@ -2,9 +2,11 @@
 
 Engine side: the ``hf`` engine (bf16) samples a group from a tiny Qwen3-MoE (layer 1 dense)
 whose routers carry planted noise, recording each token's experts. Trainer side: a ``TriModel``
-(policy = the clean checkpoint, old and ref = two other random MoEs) at PP = 2 on gloo, one
+(policy = the clean checkpoint, old and ref = two other random MoEs) on two gloo ranks, one
 forward + backward over the packed group. Observed independently of the replay code: a forward
 hook on every megatron ``TopKRouter`` reads the ``routing_map`` the token dispatcher used.
+Layouts: PP = 2 (the stages hold different MoE layers) and DP = 2 × EP = 2 (each rank routes its
+own tokens before the all-to-all sends them to the rank that holds the expert).
 With replay, the policy's and the old copy's experts equal the engine's on every forwarded
 token of every MoE layer of both stages; the reference routes itself (the same as without
 replay); without replay the policy's routes differ from the engine's (the check can fail).
@@ -52,7 +54,7 @@ def _engine_group(clean, noisy_dir):
                        advantages=torch.zeros(3), kept=True)
 
 
-def _replay_worker(paths, group):
+def _replay_worker(layout, paths, group):
     from megatron_rl.algorithms.losses import LossSettings
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
@@ -60,7 +62,7 @@ def _replay_worker(paths, group):
     from megatron_rl.trimodel import TriModel, plan_trimodel
     from megatron_rl.trimodel.routing import RouteCapture, moe_routers
 
-    initialize_parallel(tp=1, pp=2, platform=TRAIN_PLATFORM)
+    initialize_parallel(**layout, platform=TRAIN_PLATFORM)
     policy, old, ref = (load_model_from_hf(p, attention_backend="split")[0] for p in paths)
     mb = make_micro_batch([group], policy_version=0).packed
     plan = plan_trimodel(LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2, offload_old=False, offload_ref=False)
@@ -84,7 +86,8 @@ def _forwarded(group) -> torch.Tensor:
     return torch.tensor(keep)
 
 
-def test_replay_makes_the_trainers_routes_the_engines(tmp_path):
+@pytest.mark.parametrize("layout", [dict(tp=1, pp=2), dict(tp=1, pp=1, ep=2)], ids=["pp2", "dp2-ep2"])
+def test_replay_makes_the_trainers_routes_the_engines(layout, tmp_path):
     from megatron_rl.attention.packing import pack_group
     from megatron_rl.pipeline.records import to_token_group
 
@@ -93,7 +96,7 @@ def test_replay_makes_the_trainers_routes_the_engines(tmp_path):
     engine = pack_group(to_token_group(group)).routed_experts.long()  # [T, layers, K], packed order
     keep = _forwarded(group)
     layers_seen = []
-    for out in run_distributed(_replay_worker, 2, paths, group):
+    for out in run_distributed(_replay_worker, 2, layout, paths, group):
         layers_seen += out["layers"]
         want = torch.stack([engine[:, n - 1].sort(-1).values for n in out["layers"]], dim=1)[keep]
         assert torch.equal(out[True]["policy"][keep], want)
@@ -101,4 +104,5 @@ def test_replay_makes_the_trainers_routes_the_engines(tmp_path):
         assert torch.equal(out[True]["ref"], out[False]["ref"])  # the reference routes itself, replay or not
         assert not torch.equal(out[True]["ref"][keep], want)
         assert not torch.equal(out[False]["policy"][keep], want)  # without replay some experts differ
-    assert sorted(layers_seen) == [1, 3, 4]  # every MoE layer (layer 2 is dense), across both stages
+    # every MoE layer (layer 2 is dense): split over the two stages at pp 2, on both EP ranks at ep 2
+    assert sorted(layers_seen) == ([1, 3, 4] if layout["pp"] == 2 else [1, 1, 3, 3, 4, 4])
