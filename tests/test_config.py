@@ -87,7 +87,9 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_example_loads_and_validates(path):
-    cfg = load_config(path, hf_config=SMOLLM2)
+    # an MoE example (routing replay) gets SmolLM2 upcycled to 4 experts, as prepare_model makes it
+    moe = "routing_replay: rollout" in path.read_text()
+    cfg = load_config(path, hf_config={**SMOLLM2, "num_local_experts": 4, "num_experts_per_tok": 2} if moe else SMOLLM2)
     assert isinstance(cfg, Config)
     for world in (1, 2):
         assert validate_world(cfg, world * cfg.parallel.tp * cfg.parallel.pp) == world
