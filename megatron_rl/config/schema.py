@@ -33,7 +33,6 @@ WeightSync = Literal["snapshot", "broadcast", "shared_memory"]
 DeviceKind = Literal["cpu", "cuda", "npu"]  # the kinds a rollout.devices string may start with
 RoutingReplay = Literal["none", "rollout"]  # MoE: the trainer's routers choose, or replay the engine's routes
 MoeLoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]  # megatron's router load-balancing losses
-RoutingReplay = Literal["none", "rollout"]  # MoE: the trainer's routers choose, or replay the engine's routes
 BuiltinController = Literal["fixed", "sagc"]  # control.kind names; any other kind is a dotted path
 # environment.kind names ("none": single-turn rollouts); any other kind is a dotted path
 BuiltinEnvironment = Literal["none", "echo", "calculator", "python"]
@@ -169,9 +168,6 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)  # KL-to-reference penalty
     entropy_coef: float = 0.0  # entropy bonus weight
     temperature: float = 1.0  # log-prob temperature; must equal rollout.sampling.temperature
-    # MoE routing replay (R3): "rollout" forces the engine's expert choice on the policy and old copies
-    # (the reference routes itself: trimodel/routing.py); "none" lets every router choose.
-    routing_replay: RoutingReplay = "none"
     # MoE routing replay (R3): "rollout" forces the engine's expert choice on the policy and old copies
     # (the reference routes itself: trimodel/routing.py); "none" lets every router choose.
     routing_replay: RoutingReplay = "none"
