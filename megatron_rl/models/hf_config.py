@@ -108,42 +108,18 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config_from_spec(
-    spec: DecoderSpec,
-    *,
-    tp: int,
-    pp: int,
-    params_dtype: torch.dtype = torch.float32,
-    overrides: Mapping[str, Any] | None = None,
-    moe_losses: Mapping[str, Any] | None = None,
-):
-    """Build the megatron-core ``TransformerConfig`` for ``spec`` at the given TP/PP sizes
-    (``moe_losses``: the router-loss fields of ``models.moe.moe_loss_kwargs``, MoE models only)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kwargs: dict[str, Any] = dict(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_key_value_heads,
-        kv_channels=spec.head_dim,
+def _fixed_kwargs() -> dict[str, Any]:
+    """The ``TransformerConfig`` fields every supported decoder shares (no dropout, no fused
+    kernels: the local, non-TE spec on any device)."""
+    return dict(
         normalization="RMSNorm",
-        layernorm_epsilon=spec.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias,
-        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
         sequence_parallel=False,  # the local (non-TE) spec's torch norms do not support SP
         use_cpu_initialization=True,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        pipeline_dtype=params_dtype,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -153,6 +129,42 @@ def transformer_config_from_spec(
         variable_seq_lengths=True,  # packed micro-batches differ in length (PP p2p sends shapes)
         moe_token_dispatcher_type="alltoall",  # dense model; 0.16 rejects variable lengths with the default
         cuda_graph_scope=[],  # the default "full" is deprecated in 0.16 and warns on every config
+    )
+
+
+def transformer_config_from_spec(
+    spec: DecoderSpec,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype = torch.float32,
+    overrides: Mapping[str, Any] | None = None,
+    moe_losses: Mapping[str, Any] | None = None,
+    ep: int = 1,
+):
+    """Build the megatron-core ``TransformerConfig`` for ``spec`` at the given TP/PP/EP sizes
+    (``moe_losses``: the router-loss fields of ``models.moe.moe_loss_kwargs``, MoE models only).
+    ``ep`` must be the parallel state's: megatron's expert linears mark their weights as
+    expert-parallel (reduced over the expert-DP group, not DP) only when the config says EP > 1."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        layernorm_epsilon=spec.rms_norm_eps,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        **_fixed_kwargs(),
     )
     if spec.moe is not None:
         kwargs.update(moe_transformer_kwargs(spec.moe), **(moe_losses or {}))

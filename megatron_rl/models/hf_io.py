@@ -200,17 +200,21 @@ def save_hf_checkpoint(
     entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (file, names) if writer else None, group=host_group())
     if rank0:
-        weight_map = {n: f for entry in entries if entry for f, ns in [entry] for n in ns}
-        (tmp / _INDEX).write_text(
-            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
-        )
-        for side in _SIDECARS if source_dir else ():
-            if (Path(source_dir) / side).is_file():
-                shutil.copy2(Path(source_dir) / side, tmp / side)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        _publish(tmp, out_dir, entries, source_dir)
     host_barrier()
+
+
+def _publish(tmp: Path, out_dir: Path, entries: list, source_dir: str | Path | None) -> None:
+    """Write the index of every stage's (file, names), copy the sidecars of ``source_dir`` and move
+    the finished ``tmp`` directory to ``out_dir`` (rank 0)."""
+    weight_map = {n: f for entry in entries if entry for f, ns in [entry] for n in ns}
+    (tmp / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    for side in _SIDECARS if source_dir else ():
+        if (Path(source_dir) / side).is_file():
+            shutil.copy2(Path(source_dir) / side, tmp / side)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
 
 
 def _write_stage(model: torch.nn.Module, spec: DecoderSpec, path: Path | None, dtype: torch.dtype | None) -> list[str]:
