@@ -100,10 +100,12 @@ class SyntheticSteps:
 
 class ShapeRecorder:
     """``LeaderReplica`` calls passed through; records the groups of every micro-batch trained,
-    on whichever replica it was routed to."""
+    on whichever replica it was routed to (at DP > 1 the loop's dispatcher thread sends the other
+    replicas' micro-batches through ``train_micro_batch`` too, as in training)."""
 
     def __init__(self, leader) -> None:
         self.leader, self.shapes = leader, []
+        self.dispatch = leader.dispatch  # what trainer.dispatcher.dispatch_ahead looks for
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
         self.shapes += trained_shapes(mb)
