@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_chaos_run_loses_nothing_and_resumes_equal(tmp_path):
-    out = subprocess.run([sys.executable, "tools/chaos.py", "--steps", "4", "--seed", "1", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "tools/chaos.py", "--steps", "4", "--seed", "1", "--out", str(tmp_path),
+                          "--scenarios", "stop"],
                          cwd=REPO, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, out.stdout[-2000:] + out.stderr[-3000:]
