@@ -1,28 +1,25 @@
 """A tiny Qwen3-MoE trains on the emulated accelerator with expert parallelism and the router's
 load-balancing loss on, and its checkpoint (HF weights + the optimizer state keyed by HF names,
-experts included) reloads at another EP layout exactly.
+experts included) resumes at another EP layout exactly.
 
-World of 2 ranks (both train the same groups): 2 optimizer steps at EP = 2 (each rank holds 2
-of the 4 experts), save; a fresh trainer at EP = 1 (every rank all 4 experts) loads weights and
-Adam state and saves again at once: every tensor (weights, exp_avg, exp_avg_sq of every expert)
-and the step equal the EP = 2 checkpoint bit for bit; then it trains a step (the state is usable
-at the new layout: finite, weights move).
-
-Not compared here: 2 more steps at EP = 1 against 2 more at EP = 2. The routed experts' gradients
-of the two layouts differ (router and attention gradients agree to 1e-7, the experts' do not:
-an open finding of issue 22, see the closing note), so a straight EP = 2 run is no reference
-for an EP = 1 continuation yet."""
+World of 2 ranks (both train the same groups): the straight run takes 4 optimizer steps at
+EP = 2 (each rank holds 2 of the 4 experts); the subject takes 2 at EP = 2 and saves; a fresh
+trainer at EP = 1 (every rank all 4 experts) loads weights and Adam state, saves again at once
+(every tensor and the step equal the EP = 2 checkpoint bit for bit) and takes the last 2 steps:
+weights and Adam state after step 4 match the straight run within relative 1e-5
+(``test_optimizer_resume``'s 1e-6 is for one layout; here each expert sums the two ranks' tokens
+in one matmul at EP 2 and over an all-reduce at EP 1: fp32 order, 1.07e-6 measured). It caught
+expert gradients summed over DP across different experts when the model config did not carry
+the EP size (megatron marks expert weights from it)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.hf_moe_models import make_tiny_moe
-from tests.test_optimizer_resume import SAVE_AT, STEPS, _files, _save, _train
+from tests.test_optimizer_resume import SAVE_AT, STEPS, _assert_resumed_equals_straight, _files, _save, _train
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -49,6 +46,9 @@ def _resume_worker(path, out):
     trainer, policy, spec = build_policy_trainer(_settings(path, 2))
     experts = {n.split("local_experts.")[1].split(".")[0] for n, _ in policy.named_parameters() if "local_experts" in n}
     assert experts == {"0", "1"}  # 2 of the 4 experts on each rank
+    _train(trainer, spec.vocab_size, STEPS)
+    _save(trainer, policy, spec, out / "straight", path)
+    trainer, policy, spec = build_policy_trainer(_settings(path, 2))
     _train(trainer, spec.vocab_size, SAVE_AT)
     _save(trainer, policy, spec, out / "saved", path)
     destroy_parallel(keep_world=True)
@@ -56,21 +56,19 @@ def _resume_worker(path, out):
     trainer, policy, spec = build_policy_trainer(_settings(out / "saved" / "model", 1))
     load_optimizer_state(trainer.optimizer, policy, spec, out / "saved" / "optimizer")
     _save(trainer, policy, spec, out / "reloaded", path)
-    _train(trainer, spec.vocab_size, 1)
-    _save(trainer, policy, spec, out / "stepped", path)
+    _train(trainer, spec.vocab_size, STEPS - SAVE_AT)
+    _save(trainer, policy, spec, out / "resumed", path)
 
 
-def test_moe_checkpoint_reloads_across_ep_layouts(tmp_path):
+def test_moe_resumes_across_ep_layouts(tmp_path, monkeypatch):
+    import tests.test_optimizer_resume as dense
+
+    monkeypatch.setattr(dense, "TOL", 1e-5)
     path = make_tiny_moe(tmp_path / "hf", "qwen3_moe", layers=2)
     run_distributed(_resume_worker, 2, path, tmp_path, timeout_s=600)
-    saved, reloaded, stepped = (_files(tmp_path / d) for d in ("saved", "reloaded", "stepped"))
-    assert saved.keys() == reloaded.keys() == stepped.keys()
+    saved, reloaded = _files(tmp_path / "saved"), _files(tmp_path / "reloaded")
+    assert saved.keys() == reloaded.keys()
     assert any("experts.3.down_proj" in k and k.startswith("optimizer:exp_avg_sq/") for k in saved)
     for key, tensor in saved.items():
         assert torch.equal(tensor, reloaded[key]), f"{key} changed on reload at EP 1"
-    assert all(torch.isfinite(t).all() for t in stepped.values())
-    moved = max((stepped[k] - saved[k]).abs().max().item() for k in saved if "experts" in k and k.startswith("model:"))
-    assert moved > 1e-5, "the step at EP 1 did not move the experts"
-    steps = [json.loads((tmp_path / d / "optimizer" / "optimizer.json").read_text())["step"]
-             for d in ("saved", "reloaded", "stepped")]
-    assert steps == [SAVE_AT, SAVE_AT, SAVE_AT + 1]
+    _assert_resumed_equals_straight(tmp_path, want_master=False)

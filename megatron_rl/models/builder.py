@@ -93,7 +93,8 @@ def build_gpt_model(
     from megatron_rl.platform import compute_device, to_device_
 
     config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides,
-                                          moe_losses=moe_losses)
+                                          moe_losses=moe_losses,
+                                          ep=parallel_state.get_expert_model_parallel_world_size())
     model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=decoder_block_spec(spec, config, attention_backend),
