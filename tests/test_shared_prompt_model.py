@@ -71,7 +71,7 @@ def _copy_batches(groups, weights):
     return out
 
 
-def _worker(tp, pp, path, backend, forward_only=False):
+def _worker(tp, pp, path, backend, forward_only=False, recompute=None):
     import os
 
     if backend == "triton":
@@ -80,7 +80,7 @@ def _worker(tp, pp, path, backend, forward_only=False):
     from megatron_rl.parallel.state import initialize_parallel
 
     initialize_parallel(tp=tp, pp=pp)
-    subject, spec = load_model_from_hf(path, attention_backend=backend)
+    subject, spec = load_model_from_hf(path, attention_backend=backend, megatron_overrides=recompute)
     reference, _ = load_model_from_hf(path, attention_backend=None)
     groups = make_groups(spec.vocab_size)
     n_tokens = sum(sum(lens) for _, lens in GROUPS)
@@ -130,4 +130,18 @@ def test_triton_interpreted_equals_k_copies(checkpoint):
     """The Triton kernel (forward + backward) under the CPU interpreter, through the whole model."""
     pytest.importorskip("triton")
     results = run_distributed(_worker, 1, 1, 1, checkpoint, "triton")
+    _check(results, sum(sum(lens) for _, lens in GROUPS))
+
+
+# megatron's recompute re-runs a layer (full) or its core attention (selective) inside backward,
+# after packed_attention() has exited: the recomputed layer must still see the packed layout.
+RECOMPUTE = {
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+}
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_packed_with_recompute_equals_k_copies(checkpoint, recompute):
+    results = run_distributed(_worker, 1, 1, 1, checkpoint, "split", False, RECOMPUTE[recompute])
     _check(results, sum(sum(lens) for _, lens in GROUPS))

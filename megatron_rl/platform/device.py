@@ -110,6 +110,9 @@ def setup_platform(requested: str = "auto") -> Platform:
         torch.npu.set_device(platform.local_rank)  # type: ignore[attr-defined]
     else:
         torch.cuda.set_device(platform.local_rank)
+    from megatron_rl.platform.patches import recompute_context
+
+    recompute_context.apply()  # every platform: recompute must see the packed attention layout
     _APPLIED["platform"] = platform
     if os.environ.get("RANK", "0") == "0":
         print(f"megatron_rl: platform {platform.device_type} (device {platform.device}, "
