@@ -1,5 +1,5 @@
-"""Test tiers (markers registered in pytest.ini; ``make test`` runs every tier, ``make test-fast``
-the edit-test loop without ``slow``, ``multiproc`` and ``vllm``).
+"""Test tiers (markers registered in pytest.ini; ``make test`` runs every tier on two xdist
+workers, ``make test-fast`` the edit-test loop without ``slow``, ``multiproc`` and ``vllm``).
 
 Files mark what they are (``pytestmark`` or ``@pytest.mark.slow``). As a safety net for tests
 that forget, a test is also marked ``multiproc`` when it, or a fixture it uses, calls one of
@@ -32,10 +32,16 @@ def _calls_a_process_starter(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Add ``multiproc`` to every test that starts processes through the helpers above."""
+    """Add ``multiproc`` to every test that starts processes through the helpers above, and put
+    every process-starting test in one xdist group: under ``make test`` (``-n 2 --dist loadgroup``)
+    they run one after another on one worker, so two process worlds never share the cores while
+    the other worker runs the single-process tests."""
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if "multiproc" not in item.keywords and _calls_a_process_starter(item):
             item.add_marker(pytest.mark.multiproc)
+        if xdist and ("multiproc" in item.keywords or "vllm" in item.keywords):
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
