@@ -131,19 +131,10 @@ def loss_denominator(settings: LossSettings, mask: torch.Tensor) -> torch.Tensor
 
 
 def policy_loss(
-    settings: LossSettings,
-    *,
-    logp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    denominator: torch.Tensor | float,
-    old_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    behav_logp: torch.Tensor | None = None,
-    versions: torch.Tensor | None = None,
-    current_version: int | None = None,
-    entropy: torch.Tensor | None = None,
-    compare_engine: bool = True,
+    settings: LossSettings, *, logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+    denominator: torch.Tensor | float, old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+    behav_logp: torch.Tensor | None = None, versions: torch.Tensor | None = None,
+    current_version: int | None = None, entropy: torch.Tensor | None = None, compare_engine: bool = True,
 ) -> LossOutput:
     """One micro-batch's clipped policy loss; see the module docstring for the aggregation.
 
@@ -163,26 +154,52 @@ def policy_loss(
     # and the decoupled weight sees a finite stand-in there (the detached policy: weight 1), so
     # nothing non-finite reaches an exp or a gradient.
     unusable = None if behav_logp is None else nonfinite_behav(behav_logp, mask)
-    anchor, behav = _anchor_and_behaviour(
-        settings, logp, mask, old_logp,
-        None if behav_logp is None else torch.where(unusable, logp.detach(), behav_logp),
-        versions, current_version,
-    )
-    correction, fresh = None, mask.bool()
+    finite_behav = None if behav_logp is None else torch.where(unusable, logp.detach(), behav_logp)
+    anchor, behav = _anchor_and_behaviour(settings, logp, mask, old_logp, finite_behav, versions, current_version)
+    correction = None
     if behav_logp is not None and compare_engine:
-        # Only tokens sampled by the weights the trainer holds as old_logp (staleness 0) have a
-        # same-weights comparison (the mode's ratio, the metrics); stale tokens (stale mode, d >= 1)
-        # get δ masking (it needs only π_θ and π_behav) and are otherwise left to the behaviour weight.
-        if versions is not None and current_version is not None:
-            fresh = fresh & (versions == current_version)
-        correction = rollout_correction(
-            settings.correction, trainer_logp=logp if old_logp is None else old_logp,
-            behav_logp=behav_logp, logp=logp, advantages=advantages, mask=mask, measured=fresh,
-        )
+        correction = _engine_correction(settings, logp, old_logp, behav_logp, advantages, mask,
+                                        versions, current_version)
     counted = mask.bool()
     loss_tokens = counted if behav is None else behav.kept
     if unusable is not None:
         loss_tokens = loss_tokens & ~unusable
+    terms = _token_terms(settings, logp, anchor, counted, advantages, behav, correction, ref_logp, entropy)
+    loss = _numerator(settings, terms.per_token, loss_tokens, counted) / denominator
+    metrics = _metrics(settings, terms.ratio, terms.adv, anchor, logp, loss_tokens, terms.kl_ref, entropy, behav)
+    if correction is not None:
+        metrics = replace(metrics, mismatch=correction.metrics)
+    return LossOutput(loss=loss.to(logp.dtype), metrics=metrics)
+
+
+def _engine_correction(settings: LossSettings, logp: torch.Tensor, old_logp: torch.Tensor | None,
+                       behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       versions: torch.Tensor | None, current_version: int | None) -> Correction:
+    """The rollout correction against the engine. Only tokens sampled by the weights the trainer
+    holds as old_logp (staleness 0) have a same-weights comparison (the mode's ratio, the
+    metrics); stale tokens (stale mode, d >= 1) get δ masking (it needs only π_θ and π_behav)
+    and are otherwise left to the behaviour weight."""
+    fresh = mask.bool()
+    if versions is not None and current_version is not None:
+        fresh = fresh & (versions == current_version)
+    return rollout_correction(
+        settings.correction, trainer_logp=logp if old_logp is None else old_logp,
+        behav_logp=behav_logp, logp=logp, advantages=advantages, mask=mask, measured=fresh,
+    )
+
+
+@dataclass(frozen=True)
+class _TokenTerms:
+    per_token: torch.Tensor  # [B, L] loss of each token before masking and aggregation
+    ratio: torch.Tensor  # [B, L] π_θ / anchor (1 on padding)
+    adv: torch.Tensor  # [B, 1] advantages in logp's dtype
+    kl_ref: torch.Tensor | None  # [B, L] KL estimate to the reference, if given
+
+
+def _token_terms(settings: LossSettings, logp: torch.Tensor, anchor: torch.Tensor, counted: torch.Tensor,
+                 advantages: torch.Tensor, behav: BehaviourWeight | None, correction: Correction | None,
+                 ref_logp: torch.Tensor | None, entropy: torch.Tensor | None) -> _TokenTerms:
+    """Clipped surrogate × behaviour weight × correction factor, + KL and entropy terms."""
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
     # Padding gets log-ratio 0 (and ref = logp below): garbage there must not reach an exp,
     # where an inf would turn the zero upstream gradient into nan.
@@ -195,17 +212,12 @@ def policy_loss(
         per_token = per_token * _correction_factor(settings, correction).to(per_token.dtype)
     kl_ref = None
     if ref_logp is not None:
-        ref = torch.where(counted, ref_logp, logp.detach())
-        kl_ref = kl_estimate(logp, ref, settings.kl_estimator)
+        kl_ref = kl_estimate(logp, torch.where(counted, ref_logp, logp.detach()), settings.kl_estimator)
     if settings.kl_coef > 0:
         per_token = per_token + settings.kl_coef * kl_ref
     if settings.entropy_coef > 0:
         per_token = per_token - settings.entropy_coef * entropy
-    loss = _numerator(settings, per_token, loss_tokens, counted) / denominator
-    metrics = _metrics(settings, ratio, adv, anchor, logp, loss_tokens, kl_ref, entropy, behav)
-    if correction is not None:
-        metrics = replace(metrics, mismatch=correction.metrics)
-    return LossOutput(loss=loss.to(logp.dtype), metrics=metrics)
+    return _TokenTerms(per_token=per_token, ratio=ratio, adv=adv, kl_ref=kl_ref)
 
 
 def _check_shapes(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
