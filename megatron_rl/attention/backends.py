@@ -41,17 +41,23 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def auto_backend(device_type: str, *, triton: bool = True) -> str:
+    """What ``attention.backend: auto`` runs on ``device_type`` ('cpu' | 'cuda' | 'npu'), given
+    whether triton is installed there (``plan`` assumes a CUDA machine has it)."""
+    if device_type == "npu":
+        return "npu"
+    if device_type == "cuda":
+        return "triton" if triton else "flex"
+    return "split"
+
+
 def resolve_backend(name: str, device_type: str, requires_grad: bool) -> str:
     """The concrete backend for ``name`` on ``device_type`` ('cpu' | 'cuda' | 'npu').
 
     Raises ``ValueError`` for an unknown name or a backend this platform cannot run."""
     require_values({"attention.backend": name})  # the config's rule: one of the schema's names
     if name == "auto":
-        if device_type == "npu":
-            return "npu"
-        if device_type == "cuda":
-            return "triton" if _triton_available() else "flex"
-        return "split"
+        return auto_backend(device_type, triton=_triton_available())
     if name == "npu" and not torch_npu_available():
         raise ValueError("attention.backend='npu' needs torch_npu, which is not installed; use 'auto' or 'split'")
     if name == "flex" and device_type == "cpu" and requires_grad:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.attention.backends import auto_backend
 from megatron_rl.config.schema import Config
 from megatron_rl.models.hf_config import decoder_spec_from_hf, parallel_fit, read_hf_config
 from megatron_rl.plan.devices import DeviceSpec, device_spec
@@ -26,7 +27,6 @@ from megatron_rl.plan.memory import (
 )
 from megatron_rl.trimodel.plan import TriModelPlan
 
-AUTO_BACKEND = {"npu": "npu", "cuda": "triton", "cpu": "split"}  # attention.backend auto, by device kind
 BACKEND_KIND = {"npu": "npu", "triton": "cuda"}  # backends bound to one device kind
 
 
@@ -74,7 +74,7 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
     """The memory model's inputs for `cfg` on `layout`."""
     backend = cfg.attention.backend
     if backend == "auto":
-        backend = AUTO_BACKEND[device.kind]
+        backend = auto_backend(device.kind)
     elif BACKEND_KIND.get(backend, device.kind) != device.kind:
         raise ValueError(f"attention.backend {backend!r} runs on {BACKEND_KIND[backend]} devices, not --device "
                          f"{device.name}; use 'auto' or a backend of that device")
