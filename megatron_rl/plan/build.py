@@ -4,7 +4,7 @@
 ``<model.hf_path>/config.json``, places ranks and engines (`layout.py`), asks the tri-model
 plan which copies run (`trimodel/plan.py`), sizes one training device (`memory.py`) and, when
 the largest stage does not fit the device (`devices.py`), searches one knob at a time
-(parallel.tp, parallel.pp, parallel.distributed_optimizer, pipeline.micro_batch_tokens,
+(parallel.tp, parallel.pp, parallel.ep, parallel.distributed_optimizer, pipeline.micro_batch_tokens,
 model.megatron.recompute_granularity) for values that would fit: the refusal names them.
 """
 
@@ -83,7 +83,7 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
         distributed_optimizer=cfg.parallel.distributed_optimizer, attention_backend=backend,
         recompute=str(cfg.model.megatron.get("recompute_granularity") or "none"), micro_batch=micro_batch_shape(cfg),
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, entropy=cfg.algorithm.entropy_coef > 0,
-        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, ep=cfg.parallel.ep)
 
 
 def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | DeviceSpec) -> Plan:
@@ -121,11 +121,14 @@ def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world:
                 out.append(f"{key}={v} fits ({peak / 2**30:.1f} GiB){note}")
                 return
 
-    tps = [t for t in range(s.tp + 1, dims.heads + 1)
-           if world % (t * s.pp) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None]
+    tps = [t for t in range(s.tp + 1, dims.heads + 1)  # keeping parallel.ep dividing the new dp
+           if world % (t * s.pp * s.ep) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None]
     first_fit("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp)))
-    pps = [p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p) == 0]
+    pps = [p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p * s.ep) == 0]
     first_fit("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p)))
+    if dims.moe is not None:  # more expert parallelism: fewer experts per rank (ep divides dp and experts)
+        eps = [e for e in range(s.ep + 1, s.dp + 1) if s.dp % e == 0 and dims.moe.experts % e == 0]
+        first_fit("parallel.ep", eps, lambda e: with_changes(s, ep=e))
     if not s.distributed_optimizer and s.dp > 1:
         first_fit("parallel.distributed_optimizer", [True], lambda v: with_changes(s, distributed_optimizer=v))
     floor = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens

@@ -37,6 +37,11 @@ bytes of model.dtype, h hidden, f FFN, nq / nkv heads, d head_dim:
     core attention    backend dependent (`attention_core_bytes`)
     out projection    T·nq·d/t·b             its input
     SwiGLU MLP        5·T·f/t·b              fc1 output (2f), silu output and gate (2f), fc2 input (f)
+
+Mixture-of-experts layers (`plan/moe_memory.py`): the routed experts' parameters are divided by
+EP × TP (the dense ones by TP, and PP by layers, as above), their gradients are reduced and
+their distributed-optimizer state sharded over the expert-data-parallel group (dp / ep); the
+MoE block's activations count the top-k routed copies of every token through the expert MLPs.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size
+from megatron_rl.plan.moe_memory import (
+    MoeDims,
+    sparse_layers_of_stage,
+    sparse_mlp_activation_bytes,
+    sparse_mlp_params,
+    sparse_mlp_width,
+)
 from megatron_rl.trimodel.logprobs import head_is_chunked
 
 FLASH_BACKENDS = ("npu", "triton", "flex")  # save q, k, v, out and the log-sum-exp only
@@ -66,6 +78,7 @@ class ModelDims:
     qkv_bias: bool
     qk_norm: bool
     tied_embeddings: bool
+    moe: MoeDims | None = None  # None: a dense decoder
 
     @classmethod
     def from_spec(cls, spec: DecoderSpec) -> ModelDims:
@@ -73,7 +86,8 @@ class ModelDims:
         return cls(layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
                    heads=spec.num_attention_heads, kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
                    vocab=spec.vocab_size, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
-                   tied_embeddings=spec.tie_word_embeddings)
+                   tied_embeddings=spec.tie_word_embeddings,
+                   moe=MoeDims.from_spec(spec.moe) if spec.moe is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +125,12 @@ class MemorySettings:
     # trainer.logprob_chunk_tokens: head rows scored at a time (checkpointed beyond one chunk);
     # None = the head runs on all T positions and the N rows are reduced at once
     logprob_chunk_tokens: int | None = None
+    ep: int = 1  # parallel.ep: splits the routed experts (expert TP = tp, megatron's default)
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of the expert-data-parallel group (dp·tp ranks hold ep·tp expert shards)."""
+        return max(1, self.dp // self.ep)
 
     @property
     def dtype_bytes(self) -> int:
@@ -123,13 +143,14 @@ class StageMemory:
     """Bytes one training rank of pipeline stage `stage` holds at a micro-step's peak."""
 
     stage: int
-    params: int  # parameters of one copy on this rank
+    params: int  # parameters of one copy on this rank (routed experts included)
     weights: int
     grads: int
     optimizer: int
     activations: int
     logprobs: int
     transient: int
+    expert_params: int = 0  # of `params`, the routed experts' (EP-sharded)
 
     @property
     def total(self) -> int:
@@ -142,26 +163,34 @@ def stage_layers(dims: ModelDims, pp: int) -> int:
     return dims.layers // pp
 
 
-def layer_params(dims: ModelDims, tp: int) -> int:
-    """Parameters of one decoder layer on one TP rank (local spec: no linear biases but QKV's)."""
+def layer_params(dims: ModelDims, tp: int, sparse: bool = False) -> int:
+    """Parameters of one decoder layer on one TP rank (local spec: no linear biases but QKV's),
+    without its MLP when `sparse` (the MoE block: `moe_memory.sparse_mlp_params`)."""
     h, d = dims.hidden, dims.head_dim
     qkv_out = (dims.heads + 2 * dims.kv_heads) * d
-    sharded = h * qkv_out + dims.heads * d * h + 3 * h * dims.ffn + (qkv_out if dims.qkv_bias else 0)
+    mlp = 0 if sparse else 3 * h * dims.ffn
+    sharded = h * qkv_out + dims.heads * d * h + mlp + (qkv_out if dims.qkv_bias else 0)
     replicated = 2 * h + (2 * d if dims.qk_norm else 0)
     return sharded // tp + replicated
 
 
-def stage_params(dims: ModelDims, settings: MemorySettings, stage: int) -> int:
-    """Parameters of one copy on a rank of `stage`: its layers, the embedding on the first
-    stage, the final norm and output layer on the last (tied embeddings share it at pp = 1)."""
+def stage_params(dims: ModelDims, settings: MemorySettings, stage: int) -> tuple[int, int]:
+    """(all, routed-expert) parameters of one copy on a rank of `stage`: its layers, the
+    embedding on the first stage, the final norm and output layer on the last (tied embeddings
+    share it at pp = 1)."""
     tp, pp = settings.tp, settings.pp
     vocab_shard = padded_vocab_size(dims.vocab, settings.make_vocab_size_divisible_by, tp) * dims.hidden // tp
-    n = stage_layers(dims, pp) * layer_params(dims, tp)
+    sparse = sparse_layers_of_stage(dims.moe, dims.layers, pp, stage)
+    n = (stage_layers(dims, pp) - sparse) * layer_params(dims, tp) + sparse * layer_params(dims, tp, sparse=True)
+    experts = 0
+    if sparse:
+        block, per_layer = sparse_mlp_params(dims.moe, dims.hidden, tp, settings.ep)
+        n, experts = n + sparse * (block + per_layer), sparse * per_layer
     if stage == 0:
         n += vocab_shard
     if stage == pp - 1:
         n += dims.hidden + (0 if dims.tied_embeddings and pp == 1 else vocab_shard)
-    return n
+    return n, experts
 
 
 def attention_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
@@ -190,8 +219,9 @@ def attention_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
     return mb.parts * (square + others) + flash(rest)
 
 
-def layer_activation_bytes(dims: ModelDims, s: MemorySettings) -> int:
-    """Bytes autograd saves for one decoder layer of one micro-batch, without recompute."""
+def layer_activation_bytes(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> int:
+    """Bytes autograd saves for one decoder layer (a MoE one when `sparse`) of one micro-batch,
+    without recompute."""
     b, t, T = s.dtype_bytes, s.tp, s.micro_batch.tokens
     h, d, nq, nkv = dims.hidden, dims.head_dim, dims.heads, dims.kv_heads
     norms = 2 * (T * h * (8 + b) + 4 * T)
@@ -201,12 +231,14 @@ def layer_activation_bytes(dims: ModelDims, s: MemorySettings) -> int:
     rope = 4 * T * d * b
     out_proj = T * nq * d // t * b
     mlp = 5 * T * dims.ffn // t * b
+    if sparse:
+        mlp = sparse_mlp_activation_bytes(dims.moe, h, T, t, b)
     return norms + qk + rope + attention_core_bytes(dims, s) + out_proj + mlp
 
 
-def _recomputed(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
+def _recomputed(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> tuple[int, int]:
     """(saved bytes per layer, extra transient bytes) under ``s.recompute``."""
-    full = layer_activation_bytes(dims, s)
+    full = layer_activation_bytes(dims, s, sparse)
     T, b = s.micro_batch.tokens, s.dtype_bytes
     if s.recompute == "full":  # each layer keeps its input; one layer is rebuilt during backward
         return T * dims.hidden * b, full
@@ -218,10 +250,12 @@ def _recomputed(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     return full, 0
 
 
-def backward_working_bytes(dims: ModelDims, s: MemorySettings) -> int:
-    """Gradients alive while one layer runs backward: SwiGLU intermediates and fp32 norm upcasts."""
+def backward_working_bytes(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> int:
+    """Gradients alive while one layer runs backward: SwiGLU intermediates (of the k routed
+    copies and the shared expert in a MoE layer) and fp32 norm upcasts."""
     T = s.micro_batch.tokens
-    return T * (3 * dims.ffn // s.tp * s.dtype_bytes + 8 * dims.hidden)
+    width = sparse_mlp_width(dims.moe, s.tp) if sparse else dims.ffn // s.tp
+    return T * (3 * width * s.dtype_bytes + 8 * dims.hidden)
 
 
 def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
@@ -240,18 +274,24 @@ def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     return n * dims.hidden * b + small, chunk * vocab * (b + 8)
 
 
-def optimizer_bytes_per_param(s: MemorySettings) -> float:
-    """Adam state per parameter on one rank: 2 fp32 moments (+ fp32 master for bf16), / DP if sharded."""
+def optimizer_bytes_per_param(s: MemorySettings, expert: bool = False) -> float:
+    """Adam state per parameter on one rank: 2 fp32 moments (+ fp32 master for bf16), / DP if
+    sharded (/ the expert-DP size for a routed expert's parameter)."""
     per = 8 + (4 if s.dtype_bytes < 4 else 0)
-    return per / s.dp if s.distributed_optimizer else per
+    if not s.distributed_optimizer:
+        return per
+    return per / (s.expert_dp if expert else s.dp)
 
 
 def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     """The memory of one rank of pipeline stage `stage` (see the module docstring)."""
-    params = stage_params(dims, s, stage)
+    params, experts = stage_params(dims, s, stage)
     T, h, b = s.micro_batch.tokens, dims.hidden, s.dtype_bytes
-    per_layer, layer_transient = _recomputed(dims, s)
-    acts = stage_layers(dims, s.pp) * per_layer
+    sparse = sparse_layers_of_stage(dims.moe, dims.layers, s.pp, stage)
+    kinds = [(n, _recomputed(dims, s, kind), backward_working_bytes(dims, s, kind))
+             for n, kind in ((stage_layers(dims, s.pp) - sparse, False), (sparse, True)) if n]
+    acts = sum(n * saved for n, (saved, _), _ in kinds)
+    layer_transient = max(extra + working for _, (_, extra), working in kinds)
     if stage == 0:
         acts += 8 * T  # token ids for the embedding's backward
     last = stage == s.pp - 1
@@ -260,10 +300,11 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     else:
         acts += s.copies * T * h * b  # the [T, copies·h] activation sent on, kept for the backward
     lp_saved, lp_transient = logprob_bytes(dims, s) if last else (0, 0)
-    transient = max(lp_transient, layer_transient + backward_working_bytes(dims, s))
+    transient = max(lp_transient, layer_transient)
+    optimizer = (params - experts) * optimizer_bytes_per_param(s) + experts * optimizer_bytes_per_param(s, True)
     return StageMemory(stage=stage, params=params, weights=params * b * s.copies, grads=params * 4,
-                       optimizer=int(params * optimizer_bytes_per_param(s)), activations=acts,
-                       logprobs=lp_saved, transient=transient)
+                       optimizer=int(optimizer), activations=acts, logprobs=lp_saved, transient=transient,
+                       expert_params=experts)
 
 
 def estimate_memory(dims: ModelDims, settings: MemorySettings) -> list[StageMemory]:

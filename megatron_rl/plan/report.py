@@ -46,11 +46,13 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
     s, w, d = plan.settings, plan.worst, plan.device
     mb = s.micro_batch
     copies = " + ".join(plan.trimodel.active)
+    experts = f" ({w.expert_params / 1e9:.3f} B of routed experts, 1/{s.ep} of them)" if w.expert_params else ""
+    sharded = f", sharded over dp {s.dp}" + (f" (experts: expert-dp {s.expert_dp})" if w.expert_params else "")
     rows = [
-        ("weights", w.weights, f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank, {s.dtype}"),
+        ("weights", w.weights, f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank{experts}, {s.dtype}"),
         ("grads", w.grads, "fp32 DDP gradient buffer (policy)"),
         ("optimizer", w.optimizer, "Adam moments" + (" + fp32 master" if s.dtype_bytes < 4 else "")
-         + (f", sharded over dp {s.dp}" if s.distributed_optimizer else ", not sharded")),
+         + (sharded if s.distributed_optimizer else ", not sharded")),
         ("activations", w.activations, f"1 micro-batch of {mb.tokens} tokens, {plan.dims.layers // s.pp} layers, "
          f"attention {s.attention_backend}, recompute {s.recompute}"),
         ("log-probs", w.logprobs, f"{mb.response_tokens} response rows: " + (
