@@ -9,6 +9,9 @@ response.
 - dense: ``2·N`` per token forward (N = matmul parameters: attention and MLP projections of
   every layer plus the output layer; embeddings are lookups), ``×3`` with the backward
   (the usual 6·N·tokens of Kaplan et al. 2020 / the PaLM MFU appendix);
+- mixture of experts: only the *active* parameters count: a sparse layer's MLP is its router
+  (``h·E``), the ``top_k`` routed experts every token goes through (``top_k·3·h·f_e``, not all
+  E of them) and the shared expert (``3·h·f_s`` and its gate) where the model has one;
 - attention: ``4·layers·heads·head_dim`` per allowed pair forward (QKᵀ and PV), ``×3`` with
   the backward;
 - every frozen copy the tri-model runs (old policy, reference) adds one forward.
@@ -65,11 +68,18 @@ class GroupShape:
 
 
 def matmul_params(spec: DecoderSpec) -> int:
-    """Parameters that multiply activations per token: q/k/v/o and MLP of every layer, output layer."""
+    """Parameters that multiply each token's activations: q/k/v/o and MLP of every layer (a MoE
+    layer's router, top-k routed experts and shared expert: its active parameters), output layer."""
     h, d = spec.hidden_size, spec.head_dim
     attn = h * spec.num_attention_heads * d + 2 * h * spec.num_key_value_heads * d + spec.num_attention_heads * d * h
-    mlp = 3 * h * spec.ffn_hidden_size  # gated (SwiGLU): gate, up, down
-    return spec.num_layers * (attn + mlp) + h * spec.vocab_size
+    dense_mlp = 3 * h * spec.ffn_hidden_size  # gated (SwiGLU): gate, up, down
+    sparse = sum(spec.moe.sparse_layers) if spec.moe is not None else 0
+    total = spec.num_layers * attn + (spec.num_layers - sparse) * dense_mlp + h * spec.vocab_size
+    if sparse:
+        moe = spec.moe
+        shared = 3 * h * (moe.shared_expert_ffn_hidden_size or 0) + (h if moe.shared_expert_gate else 0)
+        total += sparse * (h * moe.num_experts + moe.top_k * 3 * h * moe.expert_ffn_hidden_size + shared)
+    return total
 
 
 def training_flops(spec: DecoderSpec, groups: Sequence[GroupShape], *, frozen_forwards: int = 0) -> float:

@@ -74,10 +74,13 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
 
 
 def _compute_lines(plan: Plan, tflops: float | None) -> list[str]:
-    """Matmul FLOPs of one micro-batch (2·params per token per forward; backward 2× forward)."""
+    """Matmul FLOPs of one micro-batch (2·params per token per forward, the active ones of a MoE;
+    backward 2× forward)."""
     if tflops is None:
         return ["  compute: pass --peak-tflops for a lower bound on micro-step time"]
-    params = sum(st.params for st in plan.stages) * plan.settings.tp  # one full copy
+    moe, ep = plan.dims.moe, plan.settings.ep  # a token goes through top_k of the E experts
+    active = (lambda st: st.expert_params * ep * moe.top_k / moe.experts) if moe else (lambda st: 0)
+    params = sum(st.params - st.expert_params + active(st) for st in plan.stages) * plan.settings.tp  # one copy
     tokens = plan.settings.micro_batch.tokens
     flops = 2 * params * tokens * (3 + plan.settings.copies - 1)
     seconds = flops / (tflops * 1e12 * plan.settings.tp * plan.settings.pp)
