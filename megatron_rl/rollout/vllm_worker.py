@@ -146,9 +146,13 @@ def load_in_place(named_tensors, model, *, repack: bool) -> tuple[list[str], lis
     from megatron_rl.platform.patches import vllm_cpu_weights
 
     with torch.no_grad():
-        loaded = model.load_weights(named_tensors)
-        if repack:
-            vllm_cpu_weights.repack(model)
+        if repack:  # MoE experts: load into their plain weights, packed again below
+            vllm_cpu_weights.expose_plain_experts(model)
+        try:
+            loaded = model.load_weights(named_tensors)
+        finally:
+            if repack:
+                vllm_cpu_weights.repack(model)
     return sorted(loaded), [name for name, _ in model.named_parameters()]
 
 
