@@ -106,11 +106,7 @@ def prepare_model(
             seconds=time.perf_counter() - start,
             skipped=True,
         )
-    if upcycle_experts:
-        dense = prepare_model(out_dir=dense_dir, dtype=dtype, gguf=gguf)
-        build = functools.partial(_upcycle, dense.path, num_experts=upcycle_experts, top_k=experts_per_tok)
-    else:
-        build = functools.partial(_convert, Path(gguf) if gguf is not None else find_gguf(), dtype=dtype)
+    build = _builder(dtype, gguf, upcycle_experts, experts_per_tok, dense_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the checkpoint is meant to be shared
@@ -122,6 +118,15 @@ def prepare_model(
     return PreparedModel(
         path=str(out), n_params=n_params, dtype=dtype, seconds=time.perf_counter() - start, skipped=False
     )
+
+
+def _builder(dtype: str, gguf, upcycle_experts: int, experts_per_tok: int, dense_dir) -> functools.partial:
+    """What writes the checkpoint into a directory: the GGUF conversion, or the upcycling of the
+    dense checkpoint (prepared first at `dense_dir` if absent)."""
+    if upcycle_experts:
+        dense = prepare_model(out_dir=dense_dir, dtype=dtype, gguf=gguf)
+        return functools.partial(_upcycle, dense.path, num_experts=upcycle_experts, top_k=experts_per_tok)
+    return functools.partial(_convert, Path(gguf) if gguf is not None else find_gguf(), dtype=dtype)
 
 
 def _check_existing(out: Path, found: str, dtype: str, upcycle_experts: int) -> None:
