@@ -106,3 +106,48 @@ def test_replay_makes_the_trainers_routes_the_engines(layout, tmp_path):
         assert not torch.equal(out[False]["policy"][keep], want)  # without replay some experts differ
     # every MoE layer (layer 2 is dense): split over the two stages at pp 2, on both EP ranks at ep 2
     assert sorted(layers_seen) == ([1, 3, 4] if layout["pp"] == 2 else [1, 1, 3, 3, 4, 4])
+
+
+def _recompute_worker(paths, group):
+    """The policy with full activation recompute: every router call, the forward's and the one
+    recompute makes inside backward, recorded by its own hook with the layer it belongs to."""
+    from megatron_rl.algorithms.losses import LossSettings
+    from megatron_rl.models import load_model_from_hf
+    from megatron_rl.parallel.state import initialize_parallel
+    from megatron_rl.pipeline.records import make_micro_batch
+    from megatron_rl.trimodel import TriModel, plan_trimodel
+    from megatron_rl.trimodel.routing import moe_routers
+
+    initialize_parallel(tp=1, pp=1, platform=TRAIN_PLATFORM)
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    policy = load_model_from_hf(paths[0], attention_backend="split", megatron_overrides=recompute)[0]
+    calls = []
+    for router in moe_routers(policy):
+        def hook(module, args, output, n=router.layer_number):
+            routing_map = output[1]
+            calls.append((n, routing_map.nonzero()[:, 1].reshape(-1, module.topk).detach().cpu()))
+        router.register_forward_hook(hook)
+    mb = make_micro_batch([group], policy_version=0).packed
+    plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1, offload_old=False, offload_ref=False)
+    tri = TriModel(policy=policy, old=None, ref=None, plan=plan, vocab_size=300, routing_replay=True)
+    tri.run([mb], loss=lambda lp, i: (lp.policy.sum(), None))
+    grads = sum(int(p.grad is not None or getattr(p, "main_grad", None) is not None) for p in policy.parameters())
+    return calls, grads
+
+
+def test_replay_holds_under_activation_recompute(tmp_path):
+    """Recompute re-runs each router inside backward; it must take the engine's routes again."""
+    from megatron_rl.attention.packing import pack_group
+    from megatron_rl.pipeline.records import to_token_group
+
+    path = make_tiny_moe(tmp_path / "m0", "qwen3_moe", seed=0)
+    group = _engine_group(path, tmp_path / "engine")
+    engine = pack_group(to_token_group(group)).routed_experts.long()
+    keep = _forwarded(group)
+    ((calls, grads),) = run_distributed(_recompute_worker, 1, [path], group)
+    assert grads > 0
+    per_layer = {}
+    for n, routes in calls:
+        per_layer[n] = per_layer.get(n, 0) + 1
+        assert torch.equal(routes.sort(-1).values[keep], engine[:, n - 1].sort(-1).values[keep]), f"layer {n}"
+    assert per_layer and all(count == 2 for count in per_layer.values()), per_layer  # forward + recompute

@@ -27,8 +27,8 @@ Activation recompute re-runs a layer's forward during backward: each target is a
 on megatron's backward list, and after its forward a replaying copy is switched to
 ``REPLAY_BACKWARD``, so a recomputed router pops its micro-batch's routes in forward order
 (1F1B runs backwards in forward order). ``clear`` empties the queues after each schedule.
-Not verified by a test: recompute itself does not yet reproduce the forward here (it re-runs
-attention outside ``packed_attention``, so the recomputed layer attends causally over the pack).
+Tested with full recompute (``test_routing_replay_trainer``: forward and recompute both take the
+engine's routes); recompute sees the packed layout through ``platform/patches/recompute_context``.
 """
 
 from __future__ import annotations
