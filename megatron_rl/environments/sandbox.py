@@ -51,6 +51,9 @@ UID_BLOCKS = (2**31 - 1 - UID_BASE) // UID_COUNT  # one block per process, chose
 UNSHARE = (shutil.which("unshare") or "/usr/bin/unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
            "--kill-child")
 Isolation = Literal["userns", "none"]
+# What util-linux's unshare prints (exit 1) when its child died by SIGKILL: it re-raises the child's
+# signal on itself, and SIGKILL's handler cannot be reset.
+_UNSHARE_SIGKILL = "unshare: sigprocmask unblock failed"
 # Sets the limits (as root: lowers the uid first), then execs the sandboxed command (an absolute
 # path: after setuid this interpreter may not read its own standard library, so nothing is imported late).
 _LAUNCHER = """import json, os, resource, sys
@@ -58,7 +61,9 @@ spec = json.loads(sys.argv[1])
 if spec["uid"] is not None:
     os.setgroups([]); os.setgid(spec["uid"]); os.setuid(spec["uid"])
 for name, value in spec["limits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
+    # RLIMIT_CPU: hard one second above soft, so the code gets SIGXCPU (at soft == hard the kernel
+    # sends SIGKILL, which unshare cannot re-raise: it then exits 1 with "sigprocmask unblock failed")
+    resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))
 os.execv(spec["argv"][0], spec["argv"])
 """
 
@@ -214,6 +219,8 @@ def _result(root: Path, returncode: int | None, limits: SandboxLimits, seconds: 
             network_isolated: bool) -> SandboxResult:
     (stdout, cut_out), (stderr, cut_err) = (_read_capped(root / name, limits.output_bytes)
                                             for name in ("stdout", "stderr"))
+    if returncode == 1 and stderr.startswith(_UNSHARE_SIGKILL):
+        returncode = 128 + signal.SIGKILL  # the code was SIGKILLed (a limit); unshare's own report of it
     error = _error(returncode, limits)
     if error and (root / "stdout").stat().st_size >= int(limits.file_mb * 2**20):  # Python ignores SIGXFSZ: EFBIG
         error = f"output size limit ({limits.file_mb} MB) reached; {error}"
