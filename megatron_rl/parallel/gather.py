@@ -12,16 +12,21 @@ import torch
 import torch.distributed as dist
 
 
+def _all_gather(shard: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """All-gather ``shard`` over the group ``group()`` of ``size`` ranks (not asked for at size 1)."""
+    if size == 1:
+        return [shard]
+    out = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(out, shard.contiguous(), group=group())
+    return out
+
+
 def gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather ``shard`` over the tensor-parallel group; list in TP-rank order."""
     from megatron.core import parallel_state
 
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    if size == 1:
-        return [shard]
-    out = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(out, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return out
+    return _all_gather(shard, parallel_state.get_tensor_model_parallel_world_size(),
+                       parallel_state.get_tensor_model_parallel_group)
 
 
 def gather_tp_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
@@ -75,12 +80,8 @@ def gather_experts(shard: torch.Tensor) -> list[torch.Tensor]:
     group (expert TP x EP); list in group-rank order (expert TP rank fastest)."""
     from megatron.core import parallel_state
 
-    size = parallel_state.get_expert_tensor_and_model_parallel_world_size()
-    if size == 1:
-        return [shard]
-    out = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(out, shard.contiguous(), group=parallel_state.get_expert_tensor_and_model_parallel_group())
-    return out
+    return _all_gather(shard, parallel_state.get_expert_tensor_and_model_parallel_world_size(),
+                       parallel_state.get_expert_tensor_and_model_parallel_group)
 
 
 def gather_experts_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
