@@ -19,13 +19,13 @@ never finished) counts as reaching that budget, so it gets the full penalty.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from megatron_rl.environments.base import record_fields
 from megatron_rl.pipeline.producer import Producer, _PendingBatch, _Stopped, score_group
-from megatron_rl.pipeline.records import BatchEnd, BatchStart, Sample, request_seed
+from megatron_rl.pipeline.records import Sample, request_seed
 from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, Trajectory
 
 
@@ -38,14 +38,7 @@ class MultiTurnProducer(Producer):
         self._multiturn = multiturn
 
     def _produce_batch(self, i: int) -> None:
-        if not self._versions.wait_for(self._schedule.required_version(i), self._stop, self._poll_s):
-            raise _Stopped
-        group_size = self._controller.choose()
-        items = list(self._prompts.next_batch())
-        state_fn = getattr(self._prompts, "state_dict", None)
-        source_state: Mapping[str, Any] | None = state_fn() if callable(state_fn) else None
-        batch = self._new_batch(self._start_step + i, items, group_size)
-        self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
+        batch, items, group_size, source_state = self._open_batch(i)
         start, self._reward_s = time.perf_counter(), 0.0
         for traj in self._multiturn.run(self._engine, self._starts(batch.step, items), group_size, stop=self._stop,
                                         check_version=lambda rid, v: self._schedule.check_sample(i, v, rid)):
@@ -55,13 +48,7 @@ class MultiTurnProducer(Producer):
         if batch.where:
             raise RuntimeError(f"no trajectory came back for {len(batch.where)} (prompt, k), e.g. "
                                f"{next(iter(batch.where))!r}")
-        lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
-        self._controller.observe(lengths)
-        self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
-                           groups_produced=len(items), groups_dropped=batch.dropped, source_state=source_state,
-                           generation_s=time.perf_counter() - start, reward_s=self._reward_s,
-                           control_metrics=dict(self._controller.metrics()),
-                           controller_state=self._controller.state_dict()))
+        self._close_batch(batch, len(items), group_size, source_state, time.perf_counter() - start)
 
     def _starts(self, step: int, items: Sequence[Any]) -> list[GroupStart]:
         """Per prompt: trajectory ids "<step>/<prompt_id>/<k>", reset fields, per-turn seeds."""

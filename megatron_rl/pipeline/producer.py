@@ -189,7 +189,9 @@ class Producer:
         except BaseException as exc:  # noqa: BLE001 -- handed to the consumer, which re-raises it
             self._error = exc
 
-    def _produce_batch(self, i: int) -> None:
+    def _open_batch(self, i: int) -> tuple[_PendingBatch, list[PromptItem], int, Mapping[str, Any] | None]:
+        """Wait for batch ``i``'s weights, choose G, draw its prompts and put its ``BatchStart``:
+        (pending batch, prompts, G, the prompt source's state before the draw)."""
         if not self._versions.wait_for(self._schedule.required_version(i), self._stop, self._poll_s):
             raise _Stopped
         group_size = self._controller.choose()
@@ -198,6 +200,21 @@ class Producer:
         source_state: Mapping[str, Any] | None = state_fn() if callable(state_fn) else None
         batch = self._new_batch(self._start_step + i, items, group_size)
         self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
+        return batch, items, group_size, source_state
+
+    def _close_batch(self, batch: _PendingBatch, num_prompts: int, group_size: int,
+                     source_state: Mapping[str, Any] | None, generation_s: float) -> None:
+        """Show the controller the batch's response lengths and put its ``BatchEnd``."""
+        lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
+        self._controller.observe(lengths)
+        self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
+                           groups_produced=num_prompts, groups_dropped=batch.dropped, source_state=source_state,
+                           generation_s=generation_s, reward_s=self._reward_s,
+                           control_metrics=dict(self._controller.metrics()),
+                           controller_state=self._controller.state_dict()))
+
+    def _produce_batch(self, i: int) -> None:
+        batch, items, group_size, source_state = self._open_batch(i)
         requests = [self._request(batch.step, it.record.prompt_id, it.token_ids, k)
                     for it in items for k in range(group_size)]
         start, self._reward_s = time.perf_counter(), 0.0
@@ -209,14 +226,7 @@ class Producer:
         if batch.where:
             missing = next(iter(batch.where))
             raise RuntimeError(f"engine returned no result for {len(batch.where)} requests, e.g. {missing!r}")
-        generation_s = time.perf_counter() - start
-        lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
-        self._controller.observe(lengths)
-        self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
-                           groups_produced=len(items), groups_dropped=batch.dropped, source_state=source_state,
-                           generation_s=generation_s, reward_s=self._reward_s,
-                           control_metrics=dict(self._controller.metrics()),
-                           controller_state=self._controller.state_dict()))
+        self._close_batch(batch, len(items), group_size, source_state, time.perf_counter() - start)
 
     def _new_batch(self, step: int, items: Sequence[PromptItem], group_size: int) -> _PendingBatch:
         where: dict[str, tuple[int, int]] = {}
