@@ -122,12 +122,10 @@ def measure_probe(trainer, probe: ProbeInput) -> dict[str, float]:
     in_replica = ps.get_data_parallel_rank() == 0  # one replica measures: all hold the same weights
     local = None
     if in_replica:
-        packed = probe.micro_batch.packed.to(trainer.device)
-        lp = policy_logprobs(trainer.trimodel, packed)
+        mb = probe.micro_batch.to(trainer.device)
+        lp = policy_logprobs(trainer.trimodel, mb.packed)
         if lp is not None:  # the last stage
-            logp, mask = unpack_logprobs_padded(lp, packed)
-            engine = pad_responses(probe.engine_logprobs.to(trainer.device), packed)
-            local = mismatch_metrics(logp, engine, mask)
+            local = compare_probe(lp, probe.engine_logprobs.to(trainer.device), mb)
     world = world_merged(local, counts=in_replica and counts_loss())
     check_mismatch(trainer.loss.mismatch_alarm, world,
                    when=f"engine probe right after the sync of version {probe.version}")
@@ -135,6 +133,16 @@ def measure_probe(trainer, probe: ProbeInput) -> dict[str, float]:
     return out | {"probe/engine_s": probe.engine_s,
                   "probe/sequences": float(len(probe.micro_batch.packed.response_lens)),
                   "probe/tokens": float(probe.micro_batch.packed.num_tokens)}
+
+
+def compare_probe(policy: torch.Tensor, engine: torch.Tensor, mb: MicroBatch):
+    """Mismatch metrics of the policy's ``[N]`` log-probs against the engine's on ``mb``'s model
+    tokens (observation tokens of multi-turn trajectories are not the engine's samples and are
+    left out, as the loss leaves them out)."""
+    logp, mask = unpack_logprobs_padded(policy, mb.packed)
+    if mb.loss_mask is not None:
+        mask = mask & pad_responses(mb.loss_mask, mb.packed, pad_value=False)
+    return mismatch_metrics(logp, pad_responses(engine, mb.packed), mask)
 
 
 @torch.no_grad()
