@@ -58,3 +58,23 @@ def test_delta_masking_drops_stale_sequences_too():
     torch.testing.assert_close(masked.loss, without_seq0.loss)
     assert masked.metrics.mismatch.to_log() == {"mismatch/n_tokens": 0.0, "mismatch/delta_dropped_tokens": 4.0}
     assert not torch.allclose(masked.loss, loss(RolloutCorrection(mode="none"), mask).loss)
+
+
+def test_delta_masking_acts_on_later_mini_batches_without_an_old_copy():
+    """``compare_engine=False`` (a later mini-batch, the old copy skipped): nothing is measured
+    against the engine, but δ masking (π_θ against π_behav) still drops the off sequence; the loss
+    equals the plain loss without it."""
+    logp = (-torch.rand(2, 4, generator=torch.Generator().manual_seed(2)) - 3.0).requires_grad_()
+    behav = logp.detach() + 2.0
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    adv = torch.tensor([-0.5, 1.0])
+
+    def loss(correction, mask):
+        settings = LossSettings(kind="grpo", correction=correction)
+        return policy_loss(settings, logp=logp, mask=mask, advantages=adv, denominator=8.0, behav_logp=behav,
+                           compare_engine=False)
+
+    masked = loss(RolloutCorrection(mode="token_truncate", delta=0.0), mask)
+    without_seq0 = loss(RolloutCorrection(mode="token_truncate"), mask & torch.tensor([[False], [True]]))
+    torch.testing.assert_close(masked.loss, without_seq0.loss)
+    assert masked.metrics.mismatch.to_log() == {"mismatch/n_tokens": 0.0, "mismatch/delta_dropped_tokens": 4.0}

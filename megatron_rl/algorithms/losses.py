@@ -146,7 +146,8 @@ def policy_loss(
     ``proximal="loglinear"``, ``versions [B, L]`` and ``current_version`` instead.
     ``advantages [B]``; ``denominator`` from ``loss_denominator``, summed over the batch.
     ``compare_engine=False``: ``old_logp`` (or ``logp``) is not the policy that the engine ran
-    (a later mini-batch without an old copy), so no rollout correction and no mismatch metrics.
+    (a later mini-batch without an old copy), so no token is measured (no mode ratio, no mismatch
+    metrics); δ masking, which needs only π_θ and π_behav, still applies.
     """
     _check_shapes(logp, mask, advantages, old_logp, ref_logp, behav_logp, versions, entropy)
     _check_needed(settings, denominator, ref_logp, entropy)
@@ -157,9 +158,9 @@ def policy_loss(
     finite_behav = None if behav_logp is None else torch.where(unusable, logp.detach(), behav_logp)
     anchor, behav = _anchor_and_behaviour(settings, logp, mask, old_logp, finite_behav, versions, current_version)
     correction = None
-    if behav_logp is not None and compare_engine:
+    if behav_logp is not None:
         correction = _engine_correction(settings, logp, old_logp, behav_logp, advantages, mask,
-                                        versions, current_version)
+                                        versions, current_version, compare_engine)
     counted = mask.bool()
     loss_tokens = counted if behav is None else behav.kept
     if unusable is not None:
@@ -174,12 +175,13 @@ def policy_loss(
 
 def _engine_correction(settings: LossSettings, logp: torch.Tensor, old_logp: torch.Tensor | None,
                        behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                       versions: torch.Tensor | None, current_version: int | None) -> Correction:
+                       versions: torch.Tensor | None, current_version: int | None,
+                       compare_engine: bool = True) -> Correction:
     """The rollout correction against the engine. Only tokens sampled by the weights the trainer
     holds as old_logp (staleness 0) have a same-weights comparison (the mode's ratio, the
     metrics); stale tokens (stale mode, d >= 1) get δ masking (it needs only π_θ and π_behav)
     and are otherwise left to the behaviour weight."""
-    fresh = mask.bool()
+    fresh = mask.bool() & compare_engine
     if versions is not None and current_version is not None:
         fresh = fresh & (versions == current_version)
     return rollout_correction(
