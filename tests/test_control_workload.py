@@ -146,24 +146,37 @@ def test_cli_paper_workload(fmt):
 
 @pytest.mark.slow
 def test_cli_compares_real_runs_over_the_same_samples(tmp_path):
-    def write(name, rows):
+    keys = ("train/responses", "control/group_size", "control/straggler", "rollout/reward_mean", "time/step_s")
+
+    def write(name, rows, steps=None):
         d = tmp_path / name
         d.mkdir()
-        keys = ("train/responses", "control/group_size", "control/straggler", "rollout/reward_mean")
-        (d / "metrics.jsonl").write_text("".join(json.dumps(dict(zip(keys, r, strict=True))) + "\n" for r in rows))
+        lines = [{"step": t + 1, **dict(zip(keys, r, strict=True)), "rollout/response_tokens": 10 * r[0],
+                  "time/generation_s": r[4] / 2} for t, r in enumerate(rows)]
+        for line, step in zip(lines, steps or [], strict=False):
+            line["step"] = step
+        (d / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         return str(d)
 
-    sagc = write("sagc", [(32, 4, 0, 0.2), (64, 8, 1, 0.4), (128, 16, 1, 0.6)])  # 224 samples
-    fixed = write("fixed", [(64, 8, 1, 0.3), (64, 8, 1, 0.3), (64, 8, 0, 0.5), (64, 8, 0, 0.5)])
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--runs", sagc, fixed],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    def cli(*dirs):
+        return subprocess.run([sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--runs", *dirs],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+
+    sagc = write("sagc", [(32, 4, 0, 0.2, 1.0), (64, 8, 1, 0.4, 2.0), (128, 16, 1, 0.6, 6.0)])  # 224 samples
+    fixed = write("fixed", [(64, 8, 1, 0.3, 2.0), (64, 8, 1, 0.3, 2.0), (64, 8, 0, 0.5, 2.0), (64, 8, 0, 0.5, 2.0),
+                            (64, 8, 0, 0.9, 2.0), (64, 8, 0, 0.9, 2.0)])
+    proc = cli(sagc, fixed)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["samples_budget"] == 224
-    assert report[sagc] == pytest.approx({"steps": 3, "samples": 224, "straggler_rate": 2 / 3,
-                                          "mean_g": 28 / 3, "reward_mean": 0.4, "reward_last5": 0.4},
-                                         abs=1e-4)
+    assert report[sagc] == pytest.approx({"steps": 3, "samples": 224, "response_tokens": 2240, "straggler_rate": 2 / 3,
+                                          "mean_g": 28 / 3, "reward_mean": 0.4, "reward_first5": 0.4,
+                                          "reward_last5": 0.4, "step_s": 3.0, "generation_s": 1.5}, abs=1e-4)
     # 64 + 64 + 64 = 192 <= 224 < 256: three whole steps
-    assert report[fixed] == pytest.approx({"steps": 3, "samples": 192, "straggler_rate": 2 / 3,
-                                           "mean_g": 8.0, "reward_mean": 1.1 / 3, "reward_last5": 1.1 / 3},
-                                          abs=1e-4)
+    assert report[fixed] == pytest.approx({"steps": 3, "samples": 192, "response_tokens": 1920, "straggler_rate": 2 / 3,
+                                           "mean_g": 8.0, "reward_mean": 1.1 / 3, "reward_first5": 1.1 / 3,
+                                           "reward_last5": 1.1 / 3, "step_s": 2.0, "generation_s": 1.0}, abs=1e-4)
+    # a log_dir written twice (metrics.jsonl is appended to) is refused, not counted as one longer run
+    twice = write("twice", [(64, 8, 1, 0.3, 2.0)] * 4, steps=[1, 2, 1, 2])
+    proc = cli(sagc, twice)
+    assert proc.returncode == 2 and "twice/metrics.jsonl" in proc.stderr and "do not increase" in proc.stderr

@@ -26,14 +26,17 @@ Pareto runaways whose probability grows as G^1.7) with its checks, exit status 1
 --runs DIR [DIR ...]: no simulation; compares real training runs (each DIR a trainer.log_dir with
 metrics.jsonl, e.g. SAGC and fixed G on the demo) over the same number of samples: the first
 steps of each run up to the smallest run's total of train/responses. Per run: steps, samples,
-straggler_rate (mean of control/straggler), mean_g, reward_mean (mean of rollout/reward_mean) and
-reward_last5, over those steps.
+response_tokens, straggler_rate (mean of control/straggler), mean_g, reward_mean (mean of
+rollout/reward_mean), reward_first5, reward_last5, step_s and generation_s (mean seconds per step,
+wall-clock: load-dependent on a shared machine), over those steps. A log_dir holding several runs
+(steps not increasing: metrics.jsonl is appended to) is refused, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -130,8 +133,7 @@ def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
 def compare_runs(dirs: list[str]) -> dict:
     """Real runs over the same samples: each run's first whole steps whose total
     stays within the smallest run's total."""
-    rows = {d: [json.loads(line) for line in open(Path(d) / "metrics.jsonl") if line.strip()]
-            for d in dirs}
+    rows = {d: _read_run(Path(d)) for d in dirs}
     budget = min(sum(r["train/responses"] for r in run) for run in rows.values())
     report: dict = {"workload": "runs", "samples_budget": int(budget)}
     for name, run in rows.items():
@@ -141,14 +143,33 @@ def compare_runs(dirs: list[str]) -> dict:
                 break
             used.append(r)
             done += r["train/responses"]
-        reward = [r["rollout/reward_mean"] for r in used]
-        report[name] = _round({
-            "steps": len(used), "samples": int(done),
-            "straggler_rate": sum(r["control/straggler"] for r in used) / len(used),
-            "mean_g": sum(r["control/group_size"] for r in used) / len(used),
-            "reward_mean": sum(reward) / len(reward),
-            "reward_last5": sum(reward[-5:]) / len(reward[-5:])})
+        report[name] = _round(_run_figures(used))
     return report
+
+
+def _read_run(log_dir: Path) -> list[dict]:
+    """The step rows of one run's metrics.jsonl; refused when its steps do not increase (the file is
+    appended to, so a second run into the same log_dir would be counted as one longer run)."""
+    run = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in run]
+    if not run or any(b <= a for a, b in itertools.pairwise(steps)):
+        raise ValueError(f"{log_dir}/metrics.jsonl: no rows, or its steps do not increase "
+                         "(several runs in one log_dir?); give each run a fresh trainer.log_dir")
+    return run
+
+
+def _run_figures(used: list[dict]) -> dict:
+    """Straggler rate, mean G, reward (mean, first 5, last 5 steps), samples, response tokens and
+    seconds per step over the steps ``used``."""
+    def mean(key: str, part: list[dict] = used) -> float:
+        return sum(r[key] for r in part) / len(part)
+
+    return {"steps": len(used), "samples": int(sum(r["train/responses"] for r in used)),
+            "response_tokens": int(sum(r["rollout/response_tokens"] for r in used)),
+            "straggler_rate": mean("control/straggler"), "mean_g": mean("control/group_size"),
+            "reward_mean": mean("rollout/reward_mean"), "reward_first5": mean("rollout/reward_mean", used[:5]),
+            "reward_last5": mean("rollout/reward_mean", used[-5:]),
+            "step_s": mean("time/step_s"), "generation_s": mean("time/generation_s")}
 
 
 def run_synthetic(args: argparse.Namespace, settings: SAGCSettings) -> dict:
@@ -181,12 +202,13 @@ def format_table(report: dict) -> str:
     """Readable table of a report (paper: per mode; synthetic: one block)."""
     if report["workload"] == "runs":
         names = [k for k in report if isinstance(report[k], dict)]
-        lines = [f"{'run':40s} {'steps':>5s} {'samples':>7s} {'straggler':>9s} {'mean G':>6s} "
-                 f"{'reward':>6s} {'last5':>6s}"]
-        lines += [f"{n[-40:]:40s} {report[n]['steps']:5d} {report[n]['samples']:7d} "
-                  f"{report[n]['straggler_rate']:9.1%} {report[n]['mean_g']:6.2f} "
-                  f"{report[n]['reward_mean']:6.3f} {report[n]['reward_last5']:6.3f}" for n in names]
-        return "\n".join(lines)
+        lines = [f"{'run':32s} {'steps':>5s} {'samples':>7s} {'tokens':>7s} {'straggler':>9s} {'mean G':>6s} "
+                 f"{'reward':>6s} {'first5':>6s} {'last5':>6s} {'step s':>6s} {'gen s':>6s}"]
+        lines += [f"{n[-32:]:32s} {r['steps']:5d} {r['samples']:7d} {r['response_tokens']:7d} "
+                  f"{r['straggler_rate']:9.1%} {r['mean_g']:6.2f} {r['reward_mean']:6.3f} "
+                  f"{r['reward_first5']:6.3f} {r['reward_last5']:6.3f} {r['step_s']:6.1f} {r['generation_s']:6.1f}"
+                  for n, r in ((n, report[n]) for n in names)]
+        return "\n".join([*lines, f"samples budget: {report['samples_budget']}"])
     if report["workload"] == "synthetic":
         names = [k for k in report if k == "sagc" or k.startswith("fixed_")]
         lines = [f"{'policy':10s} {'wall h':>8s} {'straggler':>9s} {'mean G':>6s}"]
@@ -218,16 +240,16 @@ def format_table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen workload, print one JSON line (or a table); exit 1 if a check fails."""
     args = parse_args(argv)
-    if args.runs:
-        report = compare_runs(args.runs)
-        print(json.dumps(report) if args.format == "json" else format_table(report))
-        return 0
     try:
+        if args.runs:
+            report = compare_runs(args.runs)
+            print(json.dumps(report) if args.format == "json" else format_table(report))
+            return 0
         settings = SAGCSettings(delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta,
                                 lambda_max=args.lambda_max, seed=args.seed)
         run = run_paper if args.workload == "paper" else run_synthetic
         report = run(args, settings)
-    except ValueError as err:  # a bad flag value: report it like argparse does, no traceback
+    except ValueError as err:  # a bad flag value or run: report it like argparse does, no traceback
         print(f"simulate_sagc.py: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report) if args.format == "json" else format_table(report))
