@@ -21,6 +21,23 @@ def _all_gather(shard: torch.Tensor, size: int, group) -> list[torch.Tensor]:
     return out
 
 
+def _gather_to_first(shard: torch.Tensor, size: int, group) -> list[torch.Tensor] | None:
+    """Point-to-point gather of ``shard`` to rank 0 of ``group()`` (``size`` ranks): the shards in
+    group-rank order there, None on the others."""
+    if size == 1:
+        return [shard]
+    group = group()
+    first, shard = dist.get_global_rank(group, 0), shard.contiguous()
+    if dist.get_rank() != first:
+        dist.send(shard, dst=first, group=group)
+        return None
+    out = [shard]
+    for r in range(1, size):
+        out.append(torch.empty_like(shard))
+        dist.recv(out[-1], src=dist.get_global_rank(group, r), group=group)
+    return out
+
+
 def gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather ``shard`` over the tensor-parallel group; list in TP-rank order."""
     from megatron.core import parallel_state
@@ -37,20 +54,8 @@ def gather_tp_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
     (torch_npu falls back to an all-gather or refuses), send / recv exist everywhere."""
     from megatron.core import parallel_state
 
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    if size == 1:
-        return [shard]
-    group = parallel_state.get_tensor_model_parallel_group()
-    first = dist.get_global_rank(group, 0)
-    shard = shard.contiguous()
-    if dist.get_rank() != first:
-        dist.send(shard, dst=first, group=group)
-        return None
-    out = [shard]
-    for r in range(1, size):
-        out.append(torch.empty_like(shard))
-        dist.recv(out[-1], src=dist.get_global_rank(group, r), group=group)
-    return out
+    return _gather_to_first(shard, parallel_state.get_tensor_model_parallel_world_size(),
+                            parallel_state.get_tensor_model_parallel_group)
 
 
 def host_group():
@@ -89,16 +94,5 @@ def gather_experts_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
     ``gather_tp_to_first``."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_expert_tensor_and_model_parallel_group()
-    size = parallel_state.get_expert_tensor_and_model_parallel_world_size()
-    if size == 1:
-        return [shard]
-    first, shard = dist.get_global_rank(group, 0), shard.contiguous()
-    if dist.get_rank() != first:
-        dist.send(shard, dst=first, group=group)
-        return None
-    out = [shard]
-    for r in range(1, size):
-        out.append(torch.empty_like(shard))
-        dist.recv(out[-1], src=dist.get_global_rank(group, r), group=group)
-    return out
+    return _gather_to_first(shard, parallel_state.get_expert_tensor_and_model_parallel_world_size(),
+                            parallel_state.get_expert_tensor_and_model_parallel_group)
