@@ -1,7 +1,9 @@
 """Multi-turn rollouts on the ``hf`` engine (tiny chat model, ``echo`` environment): token in /
 token out byte for byte against the chat template's own rendering of each whole conversation,
 the loss mask and behaviour log-probs against the engine's turns, the engine's re-prefill
-against a teacher-forced transformers forward, budgets, and environments that raise or hang."""
+against a teacher-forced transformers forward, budgets, environments that raise or hang, and a
+failed reset through the pipeline (its group dropped, the batch complete; past
+environment.max_failures the run stops)."""
 
 from __future__ import annotations
 
@@ -155,3 +157,79 @@ def test_environment_that_raises_or_hangs_ends_its_trajectory_only(setup):
     assert all(t.env_failures == 1 and t.turns == 1 for t in by_k[0] + by_k[1] if t in talked)
     assert any(t.env_failures == 1 for t in by_k[0]) and any(t.env_failures == 1 for t in by_k[1])
     assert all(t.env_failures == 0 for t in by_k[2])
+
+
+class ResetFails(EchoCounter):
+    """``reset`` raises for the record asking about 12 and 30; the others echo."""
+
+    def reset(self, record):
+        if "12" in record["question"]:
+            raise RuntimeError("no such record")
+        return super().reset(record)
+
+
+class HeldEngine(EngineWrapper):
+    """The module's engine inside a pipeline: a weight sync only relabels the version (nothing is
+    trained here) and ``shutdown`` leaves it running for the other tests."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.version = inner.weight_version
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    def load_weights(self, update, version: int) -> None:
+        self.version = version
+
+    def shutdown(self) -> None:
+        pass
+
+
+def reset_failure_pipeline(tokenizer, engine, runner):
+    """One sync step over QUESTIONS (the second's reset fails) with the ``ResetFails`` environment."""
+    from megatron_rl.control import FixedController
+    from megatron_rl.data.records import PromptRecord, TokenizedPrompt
+    from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
+
+    items = [TokenizedPrompt(record=PromptRecord(prompt_id=f"p{p}", answer="", text=q), token_ids=(1,))
+             for p, q in enumerate(QUESTIONS)]
+    prompts = type("Prompts", (), {"next_batch": lambda self: items})()
+    settings = MultiTurnSettings(max_turns=3, max_total_tokens=BUDGET, encode_prompt=partial(prompt_ids, tokenizer),
+                                 encode_observation=partial(observation_ids, tokenizer),
+                                 decode=partial(char_text, tokenizer))
+    sampling = SamplingSettings(temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(tokenizer.eos_token_id,))
+    multi = MultiTurnRollout(settings=settings, env_factory=partial(ResetFails, turns=2), runner=runner,
+                             sampling=sampling)
+    held = HeldEngine(engine)
+    return held, Pipeline(engine=held, prompts=prompts, reward_fn=lambda record, text: float(len(text)),
+                    detokenize=partial(char_text, tokenizer), controller=FixedController(G), sampling=sampling,
+                    scoring=GroupScoring(), num_steps=1, multiturn=multi,
+                    settings=PipelineSettings(mode="sync", micro_batch_tokens=4096, poll_s=0.01, join_timeout_s=30.0))
+
+
+def test_a_failed_reset_drops_its_group_and_past_the_limit_stops_the_run(setup):
+    from megatron_rl.environments.runner import EnvironmentRunner
+    from megatron_rl.pipeline import PipelineError
+
+    _, tokenizer, engine = setup
+    with EnvironmentRunner(timeout_s=30.0, max_failures=G) as runner:  # G resets fail: at the limit, not past it
+        held, pipe = reset_failure_pipeline(tokenizer, engine, runner)
+        with pipe:
+            batch = pipe.begin_step()
+            trained = [mb for mini in batch.mini_batches() for mb in mini]
+            held.load_weights(None, 1)
+            summary = pipe.complete(batch, 1)
+        assert runner.stats().failures["raised"] == G and runner.stats().resets == 2 * G
+    samples = [s for mb in trained for g in mb.groups for s in g.samples]
+    assert sorted(s.request_id for s in samples) == [f"0/p0/{k}" for k in range(G)]  # p1 trained nothing
+    assert [(g.prompt_id, len(g.samples), g.kept) for g in sorted(batch.groups, key=lambda g: g.prompt_index)] == \
+        [("p0", G, True), ("p1", 0, False)]
+    assert summary.extra_metrics["multiturn/reset_failures"] == 1 and summary.trained_groups == 1
+    assert summary.reward_mean == pytest.approx(sum(s.reward for s in samples) / G)
+    assert len(summary.end.response_lengths) == G
+    with EnvironmentRunner(timeout_s=30.0, max_failures=G - 1) as runner, \
+            pytest.raises(PipelineError, match=r"EnvironmentFailureLimit: .*environment\.max_failures \(2\)"):
+        with reset_failure_pipeline(tokenizer, engine, runner)[1] as pipe:
+            pipe.begin_step().finish()

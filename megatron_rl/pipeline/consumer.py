@@ -108,7 +108,7 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float,
     kept_groups = [g for g in batch.groups if g.kept]
     kept = [s for g in kept_groups for s in g.samples]
     rewards = [s.reward for g in batch.groups for s in g.samples]
-    turns = multiturn_metrics([s for g in batch.groups for s in g.samples])
+    turns = multiturn_metrics(batch.groups)
     return BatchSummary(
         step=batch.step, policy_version=batch.policy_version, new_version=new_version, end=batch.finish(),
         staleness=staleness_stats([s.weight_version for s in kept], batch.policy_version),

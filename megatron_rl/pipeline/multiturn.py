@@ -14,6 +14,11 @@ the last model turn's text. DAPO overlong shaping measures a trajectory's whole 
 (model + observation tokens) against what ``environment.max_total_tokens`` leaves after the
 prompt; a truncated trajectory (token budget, max_turns, or a turn cut by max_new_tokens: it
 never finished) counts as reaching that budget, so it gets the full penalty.
+
+A prompt whose environment reset failed (``FailedGroup``) is put as a ``ScoredGroup`` with no
+samples and ``kept=False``: the batch still has its ``BatchStart.num_prompts`` groups (the
+consumer's count and the mini-batch membership hold), nothing of it is trained or enters the
+reward mean, and ``multiturn/reset_failures`` counts such groups per step.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from megatron_rl.environments.base import record_fields
 from megatron_rl.pipeline.producer import Producer, _PendingBatch, _Stopped, score_group
-from megatron_rl.pipeline.records import Sample, request_seed
-from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, Trajectory
+from megatron_rl.pipeline.records import Sample, ScoredGroup, request_id, request_seed
+from megatron_rl.rollout.multiturn import FailedGroup, GroupStart, MultiTurnRollout, Trajectory
 
 
 class MultiTurnProducer(Producer):
@@ -42,7 +49,10 @@ class MultiTurnProducer(Producer):
         start, self._reward_s = time.perf_counter(), 0.0
         for traj in self._multiturn.run(self._engine, self._starts(batch.step, items), group_size, stop=self._stop,
                                         check_version=lambda rid, v: self._schedule.check_sample(i, v, rid)):
-            self._accept_trajectory(batch, traj)
+            if isinstance(traj, FailedGroup):
+                self._drop_failed_group(batch, traj)
+            else:
+                self._accept_trajectory(batch, traj)
         if self._stop.is_set():
             raise _Stopped
         if batch.where:
@@ -58,6 +68,17 @@ class MultiTurnProducer(Producer):
                        seed=lambda k, turn, pid=it.record.prompt_id: request_seed(self._seed, step, f"{pid}/{turn}", k))
             for it in items
         ]
+
+    def _drop_failed_group(self, batch: _PendingBatch, failed: FailedGroup) -> None:
+        """Give up a prompt whose reset failed: its (prompt, k) slots are answered by one empty,
+        not-kept group (module doc)."""
+        p, record = failed.prompt_index, batch.items[failed.prompt_index].record
+        for k in range(batch.group_size):
+            if batch.where.pop(request_id(batch.step, record.prompt_id, k), None) is None:
+                raise RuntimeError(f"failed group {failed.base!r}: trajectory {k} was already answered")
+        empty = torch.zeros(0, dtype=torch.float32)
+        self._put(ScoredGroup(step=batch.step, prompt_index=p, prompt_id=record.prompt_id, samples=(),
+                              rewards=empty, advantages=empty, kept=False))
 
     def _accept_trajectory(self, batch: _PendingBatch, traj: Trajectory) -> None:
         """Score one trajectory into its slot; put its group on the queue once complete."""
@@ -93,11 +114,13 @@ class MultiTurnProducer(Producer):
         return float(submit(record, text).result() if submit is not None else self._reward_fn(record, text))
 
 
-def multiturn_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Per-step ``multiturn/...`` figures over ``samples`` ({} when none is multi-turn)."""
-    multi = [s for s in samples if s.loss_mask is not None]
+def multiturn_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """Per-step ``multiturn/...`` figures over a step's ``groups`` ({} when none is multi-turn);
+    ``reset_failures``: groups dropped because their environment reset failed (no samples)."""
+    failed = sum(not g.samples for g in groups)
+    multi = [s for g in groups for s in g.samples if s.loss_mask is not None]
     if not multi:
-        return {}
+        return {"multiturn/reset_failures": float(failed)} if failed else {}
     model = sum(sum(s.loss_mask) for s in multi)
     total = sum(len(s.response_ids) for s in multi)
     return {
@@ -110,4 +133,5 @@ def multiturn_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "multiturn/model_tokens": float(model),
         "multiturn/observation_tokens": float(total - model),
         "multiturn/env_s": sum(s.env_s for s in multi),
+        "multiturn/reset_failures": float(failed),
     }

@@ -22,8 +22,11 @@ schedule) checks per turn and ``Trajectory`` asserts.
 Budgets: at most ``max_turns`` model turns, at most ``max_total_tokens`` prompt + model +
 observation tokens (a turn's ``max_new_tokens`` is cut to what is left; an observation that
 would not fit is not appended). A trajectory ended by a budget rather than by its environment
-is ``truncated``; it always ends with a model token. An environment call that raised or timed
-out ends its trajectory (``env_failures``), the run goes on.
+is ``truncated``; it always ends with a model token. An environment step that raised or timed
+out ends its trajectory (``env_failures``), the run goes on. A reset that failed for any of a
+group's trajectories (the runner's ``EnvironmentCallFailed``) drops that group: ``run`` yields a
+``FailedGroup`` for it (after every reset of the group returned, so the failures are counted) and
+rolls out the others; past ``environment.max_failures`` the runner's futures raise and the run stops.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from megatron_rl.environments.runner import EnvironmentCallFailed
 from megatron_rl.rollout.feed import RequestFeed, StreamingEngine
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 
@@ -45,7 +49,8 @@ EncodeMessages = Callable[[Sequence[Mapping[str, Any]], Sequence[dict]], Sequenc
 class StepRunner(Protocol):
     """Runs environment calls off the caller's thread (``environments.runner.EnvironmentRunner``
     fits): a step's future holds a ``StepResult`` whose ``error`` is set when the call raised or
-    hung; a future raises only when the run must stop (failed reset, too many failures)."""
+    hung; a failed reset's future raises ``EnvironmentCallFailed`` (its group is dropped); any
+    other exception of a future stops the run (too many failures)."""
 
     def submit_reset(self, env: Any, record: Mapping[str, Any], *, tag: str = "") -> Future: ...
 
@@ -71,6 +76,15 @@ class GroupStart:
     base: str  # "<step>/<prompt_id>": trajectory k is "<base>/<k>", its turn t "<base>/<k>/<t>"
     fields: Mapping[str, Any]  # environments.record_fields(record)
     seed: Callable[[int, int], int]  # (k, turn) -> the turn's sampling seed
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailedGroup:
+    """A prompt whose environment reset failed: none of its trajectories is rolled out."""
+
+    prompt_index: int
+    base: str  # the group's "<step>/<prompt_id>"
+    error: str  # the first failed reset's message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,13 +171,17 @@ class MultiTurnRollout:
         self._sampling, self._poll_s = sampling, poll_s
 
     def run(self, engine: StreamingEngine, starts: Sequence[GroupStart], group_size: int, *,
-            stop: threading.Event, check_version: Callable[[str, int], None]) -> Iterator[Trajectory]:
-        """Yield every (prompt, k) trajectory of ``starts`` x ``group_size`` as it finishes;
+            stop: threading.Event, check_version: Callable[[str, int], None]) -> Iterator[Trajectory | FailedGroup]:
+        """Yield a ``FailedGroup`` for each prompt whose reset failed, then every (prompt, k)
+        trajectory of the other ``starts`` x ``group_size`` as it finishes;
         ``check_version(request_id, version)`` sees every turn. Returns early (nothing more
         yielded) once ``stop`` is set."""
         if not isinstance(engine, StreamingEngine):
             raise TypeError(f"multi-turn rollouts need an engine with generate_stream; got {type(engine).__name__}")
-        live = self._start(starts, group_size)
+        live, failed = self._start(starts, group_size)
+        yield from failed
+        if not live:
+            return
         feed, events = RequestFeed(), queue.Queue()
         for traj in live.values():
             self._submit_turn(feed, traj)
@@ -175,29 +193,44 @@ class MultiTurnRollout:
             feed.abort() if live else feed.close()
             thread.join()
 
-    def _start(self, starts, group_size: int) -> dict[str, _Live]:
-        """Reset one environment per (prompt, k) on the runner; the K first prompts of a group
-        must agree. A failed reset raises (the runner's ``EnvironmentCallFailed``)."""
+    def _start(self, starts, group_size: int) -> tuple[dict[str, _Live], list[FailedGroup]]:
+        """Reset one environment per (prompt, k) on the runner: the live trajectories of the
+        groups whose K resets succeeded (their first prompts must agree), a ``FailedGroup`` for each other."""
         envs = [[self._env_factory() for _ in range(group_size)] for _ in starts]
         resets = [[self._runner.submit_reset(env, dict(start.fields), tag=f"{start.base}/{k}")
                    for k, env in enumerate(row)] for start, row in zip(starts, envs, strict=True)]
         live: dict[str, _Live] = {}
+        failed: list[FailedGroup] = []
         for p, start in enumerate(starts):
-            shared: tuple[int, ...] | None = None
-            for k in range(group_size):
-                env = envs[p][k]
-                ids = tuple(self.settings.encode_prompt(resets[p][k].result(), env.tools))
-                if shared is not None and ids != shared:
-                    raise ValueError(f"environment reset gave trajectory {k} of {start.base!r} another first prompt "
-                                     "than trajectory 0: reset must depend on the record only (shared prompt)")
-                if len(ids) >= self.settings.max_total_tokens:
-                    raise ValueError(f"{start.base}: the first prompt has {len(ids)} tokens, no room for a model turn "
-                                     f"under environment.max_total_tokens={self.settings.max_total_tokens}")
-                shared = ids
+            errors = [future.exception() for future in resets[p]]  # waits for every reset of the group
+            stopping = next((e for e in errors if e is not None and not isinstance(e, EnvironmentCallFailed)), None)
+            if stopping is not None:
+                raise stopping  # past environment.max_failures (or a broken runner): the run stops
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                failed.append(FailedGroup(prompt_index=p, base=start.base, error=str(first)))
+                continue
+            prompt = self._shared_prompt(start.base, [f.result() for f in resets[p]], envs[p])
+            for k, env in enumerate(envs[p]):
                 key = f"{start.base}/{k}"
-                live[key] = _Live(key=key, p=p, k=k, env=env, prompt_ids=ids,
+                live[key] = _Live(key=key, p=p, k=k, env=env, prompt_ids=prompt,
                                   seed_of=lambda turn, k=k, seed=start.seed: seed(k, turn))
-        return live
+        return live, failed
+
+    def _shared_prompt(self, base: str, first_messages: Sequence[Any], envs: Sequence[Any]) -> tuple[int, ...]:
+        """The group's first prompt ids; ValueError when the K resets disagree or leave no room."""
+        shared: tuple[int, ...] | None = None
+        for k, (messages, env) in enumerate(zip(first_messages, envs, strict=True)):
+            ids = tuple(self.settings.encode_prompt(messages, env.tools))
+            if shared is not None and ids != shared:
+                raise ValueError(f"environment reset gave trajectory {k} of {base!r} another first prompt "
+                                 "than trajectory 0: reset must depend on the record only (shared prompt)")
+            if len(ids) >= self.settings.max_total_tokens:
+                raise ValueError(f"{base}: the first prompt has {len(ids)} tokens, no room for a model turn "
+                                 f"under environment.max_total_tokens={self.settings.max_total_tokens}")
+            shared = ids
+        assert shared is not None
+        return shared
 
     def _loop(self, live: dict[str, _Live], feed: RequestFeed, events: queue.Queue, stop: threading.Event,
               check_version: Callable[[str, int], None]) -> Iterator[Trajectory]:

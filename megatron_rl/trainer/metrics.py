@@ -210,6 +210,8 @@ def _turns(metrics: Mapping[str, float]) -> str:
         return ""
     m = metrics
     tokens = m["multiturn/model_tokens"] + m["multiturn/observation_tokens"]
+    resets = m.get("multiturn/reset_failures", 0.0)  # groups dropped for a failed environment reset
+    failed = f"{m['multiturn/env_failures']:.0f} env fail" + (f", {resets:.0f} reset fail" if resets else "")
     return (f" | turns {m['multiturn/turns_mean']:.2f} tools {m['multiturn/tool_calls']:.0f}"
-            f" ({m['multiturn/tool_errors']:.0f} err, {m['multiturn/env_failures']:.0f} env fail)"
+            f" ({m['multiturn/tool_errors']:.0f} err, {failed})"
             f" obs {m['multiturn/observation_tokens'] / max(tokens, 1):.0%} env {m['multiturn/env_s']:.1f}s")
