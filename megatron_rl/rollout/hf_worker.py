@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megatron_rl.rollout.hf_experts import expert_slot
+from megatron_rl.rollout.hf_experts import model_slot
 from megatron_rl.rollout.hf_routes import RouteRecorder
 from megatron_rl.rollout.sampling import sample_next
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, hf_score
@@ -52,7 +52,7 @@ class HFBackend:
         loaded: set[int] = set()
         for name, tensor in named_tensors:
             # an MoE expert's own matrix lands in its slice of the model's fused expert tensor
-            slot = expert_slot(name, targets) if name not in targets else (name, targets[name])
+            slot = model_slot(name, targets)
             if slot is None:
                 raise ValueError(f"{source}: tensor {name!r} is not a parameter of the rollout model")
             target_name, target = slot
