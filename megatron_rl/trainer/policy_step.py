@@ -9,7 +9,9 @@ or sequence count) is unknown at the first backward. Every micro-batch therefore
 backpropagates its loss *numerator* (denominator 1), and the accumulated gradient is scaled
 by 1 / D once, before the optimizer step, with D summed over all micro-batches and DP
 ranks. Gradients are linear in the loss, so this equals the gradient of the whole batch's
-normalised loss however the batch was split or ordered.
+normalised loss however the batch was split or ordered. An MoE policy's router losses, which
+megatron adds inside backward, are weighted by the micro-batch's own share of D
+(``trainer.router_loss``), so they enter the step as their denominator-weighted mean.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
-from megatron_rl.attention.packing import pad_responses, unpack_logprobs_padded
+from megatron_rl.attention.packing import pad_responses, response_mask
 from megatron_rl.pipeline.records import MicroBatch, unshare_prompts
 from megatron_rl.trainer.mismatch_gate import check_mismatch
+from megatron_rl.trainer.router_loss import router_loss_weight
 from megatron_rl.trainer.world_metrics import counts_loss, world_merged
 from megatron_rl.trimodel import TriLogprobs, TriModel
 
@@ -65,13 +68,23 @@ class PolicyTrainer:
         if not self.shared_prompt:
             mb = unshare_prompts(mb)
         mb = mb.to(self.device)  # once per micro-batch: the loss meets only device tensors
-        self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb), finalize_grads=False)
+        mask = self._counted(mb)
+        share = loss_denominator(self.loss, mask)  # this micro-batch's share of D, on every PP stage
+        with router_loss_weight(share):  # MoE router losses weighted by it (trainer/router_loss.py)
+            self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb, mask, share),
+                              finalize_grads=False)
 
-    def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch):
+    def _counted(self, mb: MicroBatch) -> torch.Tensor:
+        """``[R, max_len]`` bool: the response tokens that carry a loss term."""
         packed = mb.packed
-        logp, mask = unpack_logprobs_padded(lp.policy, packed)
+        mask = response_mask(packed, max(packed.response_lens), self.device)
         if mb.loss_mask is not None:  # multi-turn: observation tokens carry no loss term at all
             mask = mask & pad_responses(mb.loss_mask, packed, pad_value=False)
+        return mask
+
+    def _micro_loss(self, lp: TriLogprobs, mb: MicroBatch, mask: torch.Tensor, share: torch.Tensor):
+        packed = mb.packed
+        logp = pad_responses(lp.policy, packed)
         # One optimizer step per batch: every forward of the batch runs at θ_t, so the old policy
         # (and the recompute proximal of ppo_decoupled) is the detached policy, no extra forward.
         old = logp.detach() if lp.old_is_policy else pad_responses(lp.old, packed)
@@ -85,7 +98,7 @@ class PolicyTrainer:
                           versions=mb.versions[:, None].expand_as(mask), current_version=mb.policy_version,
                           entropy=entropy)
         self._numerator += out.loss.detach().to(torch.float64)
-        self._denominator += loss_denominator(self.loss, mask)
+        self._denominator += share
         self._metrics = out.metrics if self._metrics is None else self._metrics.merge(out.metrics)
         return out.loss, None
 
