@@ -41,19 +41,16 @@ BuiltinEnvironment = Literal["none", "echo", "calculator", "python"]
 @dataclass(frozen=True, kw_only=True)
 class MoeConfig:
     """Router losses of a mixture-of-experts policy (ignored for dense models), added to the RL loss
-    in backward by megatron-core (scaled 1 / micro-batches, as megatron's own losses).
+    in backward by megatron-core.
 
     Effective weight (what the optimizer step sees). Each sparse layer's loss is megatron's
     per-micro-batch value L_m (aux_loss: E·Σ_e f_e·P_e over the micro-batch's packed tokens, ~1
-    when balanced; z-loss: the mean over those tokens of logsumexp²) times the coefficient. Its
-    gradient is added at scale 1 / num_microbatches of the schedule call = 1 (the trainer runs
-    one micro-batch per call; no grad_scale_func is set), then the mini-batch's gradient is
-    multiplied by dp / D (``trainer.policy_step``: D = the RL loss denominator summed over the
-    mini-batch and DP ranks: sequences for grpo, sequences × max length for dr_grpo, response
-    tokens otherwise) and averaged over DP. So the objective gets coeff · Σ_m L_m / D, the sum
-    over all M micro-batches of the mini-batch (every DP replica), i.e. coeff · (M / D) · mean_m L_m,
-    not coeff · mean L: with D in the thousands of tokens the router loss is scaled down ~D/M
-    times. Choose the coefficient with that in mind (e.g. coeff ≈ c · D / M for a weight c).
+    when balanced; z-loss: the mean over those tokens of logsumexp²) times the coefficient. The
+    step's objective gets coeff · Σ_m (d_m / D) · L_m over all micro-batches of the mini-batch
+    (every DP replica): their mean weighted as the RL loss weights them, d_m being micro-batch
+    m's share of the RL loss denominator D (response tokens; sequences for grpo and dr_grpo).
+    So coeff · L for one micro-batch, the plain mean for equal shares, whatever the DP size or
+    D's magnitude (``trainer.router_loss`` says how and why not the unweighted mean).
     """
 
     # load-balancing loss: per micro-batch (aux_loss), per sequence (seq_aux_loss), or none
