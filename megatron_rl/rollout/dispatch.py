@@ -3,7 +3,9 @@
 Contract:
 - Requests are cut into chunks of at most ``max_batch_size`` (spread evenly over the
   workers); each worker holds at most ``PREFETCH`` chunks, so while it decodes one the next
-  is already in its pipe.
+  is already in its pipe. A streaming worker (``rollout.stream_worker``: its chunks join the
+  engine's running batch and are answered out of order) instead takes chunks while it has
+  fewer than ``PREFETCH`` x its engine's ``max_batch_size`` requests in flight.
 - Results are yielded in completion order, each request exactly once: a result counts only
   if its request id is still in flight on the worker that sent it.
 - A worker that dies or hangs (``Supervisor.next_events``) has its unanswered requests put
@@ -96,7 +98,7 @@ def _events(sup: Supervisor, call: _Call, extra: tuple) -> Iterator[GenerationRe
                 call.answered.add(result.request_id)
                 yield result
         elif isinstance(message, Done):
-            _finish_chunk(w)
+            _finish_chunk(w, message)
         elif isinstance(message, Failed):
             _fail_chunk(w, message)
 
@@ -106,7 +108,7 @@ def _dispatch(workers: list[WorkerHandle], pending: deque, chunk: int) -> None:
     with the fewest outstanding tokens, about ``chunk`` requests per command (a larger group
     goes whole), while some worker holds fewer than ``PREFETCH`` commands."""
     while pending:
-        ready = [w for w in workers if w.outstanding < PREFETCH]
+        ready = [w for w in workers if has_room(w)]
         if not ready:
             return
         w = min(ready, key=lambda w: (outstanding_tokens(w), w.spec.index))
@@ -114,6 +116,13 @@ def _dispatch(workers: list[WorkerHandle], pending: deque, chunk: int) -> None:
         w.in_flight.update((r.request_id, r) for r in batch)
         w.chunks.append(tuple(r.request_id for r in batch))
         w.send(Generate(batch))
+
+
+def has_room(w: WorkerHandle) -> bool:
+    """Whether ``w`` takes another chunk now (module doc: ``PREFETCH``)."""
+    if w.streaming:
+        return len(w.in_flight) < PREFETCH * w.spec.max_batch_size
+    return w.outstanding < PREFETCH
 
 
 def group_of(request: GenerationRequest) -> str:
@@ -141,9 +150,9 @@ def _take_groups(pending: deque, chunk: int) -> tuple[GenerationRequest, ...]:
     return tuple(batch)
 
 
-def _finish_chunk(w: WorkerHandle) -> None:
+def _finish_chunk(w: WorkerHandle, message: Done) -> None:
     w.outstanding -= 1
-    missing = [rid for rid in w.chunks.popleft() if rid in w.in_flight]
+    missing = [rid for rid in w.pop_chunk(message.request_ids) if rid in w.in_flight]
     if missing:
         for rid in missing:
             del w.in_flight[rid]
@@ -152,7 +161,7 @@ def _finish_chunk(w: WorkerHandle) -> None:
 
 def _fail_chunk(w: WorkerHandle, message: Failed) -> None:
     w.outstanding -= 1
-    for rid in w.chunks.popleft() if w.chunks else ():
+    for rid in w.pop_chunk(message.request_ids):
         w.in_flight.pop(rid, None)
     raise RolloutWorkerError(
         f"rollout worker {w.spec.index} (pid {w.process.pid}) failed on requests "
@@ -176,6 +185,6 @@ def drain(sup: Supervisor) -> None:
                 w.reset()
             elif isinstance(message, (Done, Failed, Loaded)):
                 w.outstanding -= 1
-                if w.chunks and not isinstance(message, Loaded):
-                    for rid in w.chunks.popleft():
+                if not isinstance(message, Loaded):
+                    for rid in w.pop_chunk(message.request_ids):
                         w.in_flight.pop(rid, None)

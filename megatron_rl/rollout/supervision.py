@@ -95,6 +95,7 @@ class WorkerHandle:
     _busy_since: float | None = None  # time.monotonic() when it last went from idle to busy
     _busy_s: float = 0.0  # seconds with commands outstanding, over finished busy spans
     chunks: deque = field(default_factory=deque)  # request ids of each outstanding Generate, in order
+    streaming: bool = False  # its Ready said so: chunks join a running batch, Dones come out of order
     in_flight: dict[str, GenerationRequest] = field(default_factory=dict)
     last_heard: float = 0.0  # time.monotonic() of its last message (or of work given while idle)
     failure: str = ""  # how it last died: "exit code N" or "hung ..."
@@ -129,6 +130,15 @@ class WorkerHandle:
         self.outstanding = 0
         self.chunks.clear()
         self.in_flight.clear()
+
+    def pop_chunk(self, request_ids: tuple[str, ...]) -> tuple[str, ...]:
+        """Forget the outstanding chunk of ``request_ids`` (a Done / Failed names its command's
+        requests; a streaming worker's may come out of order); the oldest one if the message
+        names none or an unknown one (a Failed before the command was read). () if none."""
+        if request_ids in self.chunks:
+            self.chunks.remove(request_ids)
+            return request_ids
+        return self.chunks.popleft() if self.chunks else ()
 
     def send(self, command: object) -> None:
         """Queue ``command``; the hang clock starts now if the worker was idle."""
@@ -255,6 +265,7 @@ class Supervisor:
         message = _try_recv(w)
         if isinstance(message, Ready):
             assert message.version == self.version, (message.version, self.version)
+            w.streaming = message.streaming
             return
         if isinstance(message, Failed):
             error = message.error

@@ -85,6 +85,7 @@ class GenerationResult:
     finish_reason: Literal["stop", "length"]
     weight_version: int  # version of the weights every token was sampled with
     routed_experts: RoutedExperts | None = None  # MoE routes of the forwarded tokens, when asked for
+    cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served (None: not reported)
 
 
 @runtime_checkable

@@ -41,7 +41,10 @@ DEFAULT_CPU_KVCACHE_GIB = "1"
 
 
 class VLLMBackend:
-    """``WorkerBackend`` over ``vllm.LLM``."""
+    """``WorkerBackend`` over ``vllm.LLM``, stepped by ``rollout.stream_worker`` (requests join
+    the running batch between engine steps)."""
+
+    streams_requests = True
 
     def __init__(self, spec: WorkerSpec):
         reserved = sorted(set(spec.backend_kwargs) & set(RESERVED_KWARGS))
@@ -53,6 +56,7 @@ class VLLMBackend:
         # engine): errors only, unless the user set VLLM_LOGGING_LEVEL (rollout.worker_env or env).
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         self._device_kind, self._tp = spec.device.kind, spec.tensor_parallel_size
+        self._pending: dict[str, tuple[GenerationRequest, int]] = {}  # engine id -> (request, version)
         if spec.device.kind == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
             if spec.device.ids:  # vLLM binds its OpenMP threads itself: keep them on our cores
@@ -118,20 +122,42 @@ class VLLMBackend:
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
         """Run ``requests`` through the engine's continuous batching; yield each as it finishes."""
-        engine = self._llm.llm_engine
-        pending: dict[str, GenerationRequest] = {}
+        ids = {r.request_id for r in requests}
         try:
-            for r in requests:
-                internal_id = engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, _params(r))
-                pending[internal_id] = r
-            while pending:
-                for out in engine.step():
-                    if out.finished:
-                        r = pending.pop(_internal_id(out, pending))
-                        yield _result(r, out.outputs[0], weight_version)
+            self.submit(requests, weight_version)
+            while ids:
+                for result in self.step():
+                    ids.discard(result.request_id)
+                    yield result
         finally:
-            if pending:  # an error: leave nothing behind for the next chunk
-                engine.abort_request(list(pending))
+            if ids:  # an error: leave nothing behind for the next chunk
+                self.abort_all()
+
+    def submit(self, requests: Sequence[GenerationRequest], weight_version: int) -> None:
+        """Add ``requests`` to the running batch (``stream_worker.StreamingBackend``)."""
+        engine = self._llm.llm_engine
+        for r in requests:
+            internal_id = engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, _params(r))
+            self._pending[internal_id] = (r, weight_version)
+
+    def step(self) -> list[GenerationResult]:
+        """One engine step; the results of the requests it finished."""
+        done = []
+        for out in self._llm.llm_engine.step():
+            if out.finished:
+                r, version = self._pending.pop(_internal_id(out, self._pending))
+                done.append(_result(r, out, version))
+        return done
+
+    def has_unfinished(self) -> bool:
+        """Whether a submitted request is still running or waiting."""
+        return bool(self._pending)
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request."""
+        if self._pending:
+            self._llm.llm_engine.abort_request(list(self._pending))
+            self._pending.clear()
 
     def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
         """Prompt log-probs of each request's response, at temperature 1 only (``rollout.scoring``)."""
@@ -187,11 +213,12 @@ def _params(r: GenerationRequest):
 def _internal_id(out, pending: dict) -> str:
     if out.request_id in pending:
         return out.request_id
-    (internal_id,) = [k for k, r in pending.items() if r.request_id == out.request_id]
+    (internal_id,) = [k for k, (r, _) in pending.items() if r.request_id == out.request_id]
     return internal_id
 
 
-def _result(r: GenerationRequest, completion, weight_version: int) -> GenerationResult:
+def _result(r: GenerationRequest, out, weight_version: int) -> GenerationResult:
+    completion = out.outputs[0]
     tokens = tuple(completion.token_ids)
     routes = getattr(completion, "routed_experts", None)
     return GenerationResult(
@@ -199,6 +226,7 @@ def _result(r: GenerationRequest, completion, weight_version: int) -> Generation
         request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tokens,
         logprobs=tuple(step[t].logprob for step, t in zip(completion.logprobs, tokens, strict=True)),
         finish_reason=_finish_reason(r.request_id, completion.finish_reason), weight_version=weight_version,
+        cached_tokens=out.num_cached_tokens,
     )
 
 

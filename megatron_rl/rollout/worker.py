@@ -3,10 +3,17 @@
 Each worker owns one duplex pipe to the parent and has at most one command outstanding:
 
     parent -> worker: Generate(requests) | Score(requests) | Receive(load, version) | Stop()
-    worker -> parent: Ready(version)                     once, after start-up
-                      Result(result)* then Done()        for Generate / Score (one Result per request)
+    worker -> parent: Ready(version, streaming)          once, after start-up
+                      Result(result)* then Done(ids)     for Generate / Score (one Result per request;
+                                                         ids: the command's request ids)
                       Loaded(version)                    for Receive
                       Failed(request_ids, error)         instead of Done / Loaded / Ready
+
+A chunked backend (``WorkerBackend``) answers one command at a time, in order. A backend that
+also implements ``rollout.stream_worker.StreamingBackend`` (``streaming`` in its ``Ready``) runs
+its engine step by step instead (``stream_worker.serve_stream``): Generate commands that arrive
+meanwhile join the running batch, each Result leaves as soon as its request finishes, and a
+command's Done as soon as its last request did, so Dones may come out of order.
 
 ``Receive`` carries a ``weight_sync.WorkerLoad``; the worker hands it to the receiver of its
 transport (``weight_sync.build_receiver``, one per transport, kept for the worker's life),
@@ -109,6 +116,7 @@ class Receive:
 @dataclass(frozen=True)
 class Ready:
     version: int
+    streaming: bool = False  # Generate commands join a running batch; Dones may come out of order
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class Result:
 
 @dataclass(frozen=True)
 class Done:
-    pass
+    request_ids: tuple[str, ...] = ()  # the answered command's requests
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,12 @@ def worker_main(spec: WorkerSpec, conn, start_load, version: int) -> None:
     except Exception:  # reported to the parent, which raises it there
         conn.send(Failed((), traceback.format_exc()))
         return
+    if getattr(backend, "streams_requests", False):
+        from megatron_rl.rollout.stream_worker import serve_stream
+
+        conn.send(Ready(version, streaming=True))
+        serve_stream(backend, conn, version, receivers)
+        return
     conn.send(Ready(version))
     _serve(backend, conn, version, receivers)
 
@@ -186,20 +200,28 @@ def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
             return
         if isinstance(command, Stop):
             return
-        if isinstance(command, Receive):
-            try:
-                _receive(backend, command.load, receivers)
-            except Exception:
-                conn.send(Failed((), traceback.format_exc()))
-                continue
-            version = command.version if command.load.loads else version
-            conn.send(Loaded(version))
-        elif isinstance(command, (Generate, Score)):
-            run = backend.generate if isinstance(command, Generate) else backend.score
-            try:
-                for result in run(command.requests, version):
-                    conn.send(Result(result))
-            except Exception:
-                conn.send(Failed(tuple(r.request_id for r in command.requests), traceback.format_exc()))
-                continue
-            conn.send(Done())
+        version = handle_command(backend, conn, command, version, receivers)
+
+
+def handle_command(backend: WorkerBackend, conn, command: object, version: int, receivers: dict) -> int:
+    """Run one Receive / Generate / Score command to its end, answering on ``conn``; returns the
+    version the worker runs afterwards."""
+    if isinstance(command, Receive):
+        try:
+            _receive(backend, command.load, receivers)
+        except Exception:
+            conn.send(Failed((), traceback.format_exc()))
+            return version
+        version = command.version if command.load.loads else version
+        conn.send(Loaded(version))
+    elif isinstance(command, (Generate, Score)):
+        run = backend.generate if isinstance(command, Generate) else backend.score
+        ids = tuple(r.request_id for r in command.requests)
+        try:
+            for result in run(command.requests, version):
+                conn.send(Result(result))
+        except Exception:
+            conn.send(Failed(ids, traceback.format_exc()))
+            return version
+        conn.send(Done(ids))
+    return version
