@@ -145,9 +145,8 @@ def policy_loss(
     engine) and, for ``proximal="recompute"``, ``old_logp`` (the proximal forward); for
     ``proximal="loglinear"``, ``versions [B, L]`` and ``current_version`` instead.
     ``advantages [B]``; ``denominator`` from ``loss_denominator``, summed over the batch.
-    ``compare_engine=False``: ``old_logp`` (or ``logp``) is not the policy that the engine ran
-    (a later mini-batch without an old copy), so no token is measured (no mode ratio, no mismatch
-    metrics); δ masking, which needs only π_θ and π_behav, still applies.
+    ``compare_engine=False``: ``old_logp`` (or ``logp``) is not the policy the engine ran (a later
+    mini-batch without an old copy): nothing measured (no mode ratio, metrics); δ masking still acts.
     """
     _check_shapes(logp, mask, advantages, old_logp, ref_logp, behav_logp, versions, entropy)
     _check_needed(settings, denominator, ref_logp, entropy)
