@@ -6,6 +6,9 @@ tokens) is decoding is answered before the long one ends, and both equal their s
 alone (per-request seeds: joining a running batch changes no sample); in a multi-turn rollout a
 trajectory's second turn is submitted and answered while another trajectory's first turn is
 still generating. The old chunked worker fails both (the second request waits for the chunk).
+The prefix cache (block 32) serves each later turn at least the full blocks its trajectory's
+previous turn computed, as vLLM reports per request (``GenerationResult.cached_tokens``), and
+the trajectory sums what its turns report.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from megatron_rl.rollout import multiturn as multiturn_module
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
 from megatron_rl.rollout.types import SamplingSettings
+from megatron_rl.rollout.wrapper import EngineWrapper
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import engine_settings, request, run_all
 
@@ -32,12 +36,18 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.vllm, pytest.mark.skipif(
 
 LONG = 200  # new tokens of the long request: seconds of decoding on one core
 STOPS = tuple(range(0, 300, 3))  # a third of the tiny vocabulary ends a normal turn: a few tokens each
+BLOCK = 32  # KV block (prefix caching caches whole blocks; vLLM on CPU defaults to 128)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     hf_dir = make_tiny_hf(tmp_path_factory.mktemp("vllm_stream") / "qwen2", "qwen2", seed=3, layers=2)
-    settings = dataclasses.replace(engine_settings("vllm", hf_dir), vllm={"max_model_len": 512})
+    base = engine_settings("vllm", hf_dir)
+    # 64 MiB of KV cache (60k tokens of this model) instead of the 1 GiB VLLM_CPU_KVCACHE_SPACE (which
+    # would override kv_cache_memory_bytes)
+    env = {k: v for k, v in base.worker_env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    settings = dataclasses.replace(base, worker_env=env, vllm={
+        "max_model_len": 512, "enable_prefix_caching": True, "block_size": BLOCK, "kv_cache_memory_bytes": 64 << 20})
     eng = build_engine(settings)
     yield eng
     eng.shutdown()
@@ -94,11 +104,12 @@ class LongFirstTurnFeed(RequestFeed):
 def test_turns_of_other_trajectories_interleave_with_a_long_turn(engine, monkeypatch):
     monkeypatch.setattr(multiturn_module, "RequestFeed", LongFirstTurnFeed)
     settings = MultiTurnSettings(max_turns=3, max_total_tokens=500,
-                                 encode_prompt=lambda messages, tools: (5, 17, 42, 9),
+                                 encode_prompt=lambda messages, tools: tuple(range(5, 45)),
                                  encode_observation=lambda messages, tools: (11, 12, 13),
                                  decode=lambda ids: " ".join(map(str, ids)))
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=32, stop_token_ids=STOPS)
     answered: list[str] = []
+    engine = StreamRecorder(engine)
     start = GroupStart(base="0/p0", fields={"messages": [{"role": "user", "content": "go"}]},
                        seed=lambda k, t: 100 * k + t)
     with EnvironmentRunner(timeout_s=30.0, max_failures=None) as runner:
@@ -111,3 +122,24 @@ def test_turns_of_other_trajectories_interleave_with_a_long_turn(engine, monkeyp
     later_turns = [rid for rid in answered[:long_done] if not rid.endswith("/0")]
     print(f"answered while the long turn decoded: {answered[:long_done]}")
     assert later_turns, f"no second turn answered before the long first turn ended: {answered}"
+    turns = engine.results
+    for t in trajectories.values():
+        mine = [turns[f"{t.request_id}/{i}"] for i in range(t.turns)]
+        assert t.cached_tokens == sum(r.cached_tokens for r in mine)
+        assert t.turn_prompt_tokens == sum(len(r.prompt_ids) for r in mine)
+        for before, r in zip(mine, mine[1:], strict=False):  # KV of the previous turn's prompt + response[:-1]
+            computed = min(len(before.prompt_ids) + len(before.response_ids) - 1, len(r.prompt_ids) - 1)
+            assert r.cached_tokens >= computed // BLOCK * BLOCK > 0, (r.request_id, r.cached_tokens, computed)
+
+
+class StreamRecorder(EngineWrapper):
+    """Keeps every turn result the stream yields (by request id)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.results: dict = {}
+
+    def generate_stream(self, feed):
+        for result in self.inner.generate_stream(feed):
+            self.results[result.request_id] = result
+            yield result

@@ -97,6 +97,7 @@ class MultiTurnProducer(Producer):
             weight_version=traj.turn_versions[0], finish_reason=traj.finish_reason, reward=float(reward),
             loss_mask=traj.loss_mask, turns=traj.turns, tool_calls=traj.tool_calls, tool_errors=traj.tool_errors,
             env_failures=traj.env_failures, env_s=traj.env_s, truncated=traj.truncated,
+            turn_prompt_tokens=traj.turn_prompt_tokens, cached_tokens=traj.cached_tokens,
         )
         if all(s is not None for s in batch.slots[p]):
             scoring, samples = self._scoring, batch.slots[p]
@@ -123,6 +124,7 @@ def multiturn_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
         return {"multiturn/reset_failures": float(failed)} if failed else {}
     model = sum(sum(s.loss_mask) for s in multi)
     total = sum(len(s.response_ids) for s in multi)
+    cached = [s for s in multi if s.cached_tokens is not None]
     return {
         "multiturn/turns_mean": sum(s.turns for s in multi) / len(multi),
         "multiturn/turns_max": float(max(s.turns for s in multi)),
@@ -134,4 +136,7 @@ def multiturn_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
         "multiturn/observation_tokens": float(total - model),
         "multiturn/env_s": sum(s.env_s for s in multi),
         "multiturn/reset_failures": float(failed),
+        # turns' prompt tokens the engine's prefix cache served (engines that report it: vLLM)
+        **({"multiturn/prefix_cache_hit_rate": sum(s.cached_tokens for s in cached)
+            / max(1, sum(s.turn_prompt_tokens for s in cached))} if cached else {}),
     }

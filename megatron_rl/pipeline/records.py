@@ -79,6 +79,8 @@ class Sample:
     env_failures: int = 0  # environment calls that raised or timed out (the trajectory ended there)
     env_s: float = 0.0  # seconds in environment calls
     truncated: bool = False  # ended by environment.max_turns / max_total_tokens, not by the environment
+    turn_prompt_tokens: int = 0  # sum over its model turns of each turn's prompt length
+    cached_tokens: int | None = None  # of those, the engine's prefix cache served (None: not reported)
     routed_experts: RoutedExperts | None = None  # MoE: experts of the Lp + Lr - 1 forwarded tokens (routing replay)
 
     def __post_init__(self) -> None:

@@ -9,9 +9,10 @@ fallback), weight sync from the trainer, version bookkeeping, supervision of wor
 Modules: `pool` (WorkerPool, the engine), `dispatch` (one generate call: chunks, exactly-once
 results), `supervision` (processes: death, hang by rollout.request_timeout_s, restarts),
 `delivery` (a `megatron_rl.weight_sync` update into every worker; the transports live in
-that package), `worker` (the worker process and its messages), `hf_worker` / `vllm_worker`
-(backends), `faults` (seeded fault injection for chaos runs), `settings`, `types`, `sampling`,
-`remote` (rank 0's hub for engines on other nodes) and `serve` (a node's engine host).
+that package), `worker` (the worker process and its messages), `stream_worker` (the serve loop of
+a backend stepped between commands: vLLM), `hf_worker` / `vllm_worker` (backends), `faults`
+(seeded fault injection for chaos runs), `settings`, `types`, `sampling`, `remote` (rank 0's
+hub for engines on other nodes) and `serve` (a node's engine host).
 """
 
 from megatron_rl.rollout.engine import build_engine

@@ -107,6 +107,8 @@ class Trajectory:
     tool_errors: int
     env_failures: int
     env_s: float
+    turn_prompt_tokens: int = 0  # sum over its turns of each turn's prompt length
+    cached_tokens: int | None = None  # of those, served by the engine's prefix cache (None: not reported)
 
     def __post_init__(self) -> None:
         assert len(set(self.turn_versions)) == 1, (self.request_id, self.turn_versions)
@@ -139,6 +141,8 @@ class _Live:
     tool_errors: int = 0
     env_failures: int = 0
     env_s: float = 0.0
+    turn_prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
     def finish(self) -> Trajectory:
         return Trajectory(
@@ -147,6 +151,7 @@ class _Live:
             turn_versions=tuple(self.versions), finish_reason=self.finish_reason, truncated=self.truncated,
             reward=self.reward, last_text=self.last_text, tool_calls=self.tool_calls,
             tool_errors=self.tool_errors, env_failures=self.env_failures, env_s=self.env_s,
+            turn_prompt_tokens=self.turn_prompt_tokens, cached_tokens=self.cached_tokens,
         )
 
 
@@ -272,6 +277,9 @@ class MultiTurnRollout:
         traj.logprobs += result.logprobs
         traj.versions.append(result.weight_version)
         traj.finish_reason = result.finish_reason
+        traj.turn_prompt_tokens += len(result.prompt_ids)
+        if result.cached_tokens is not None:
+            traj.cached_tokens = (traj.cached_tokens or 0) + result.cached_tokens
         traj.last_text = self.settings.decode(result.response_ids)
         # Cut by the budget or by max_new_tokens: no end-of-turn token, so no observation can follow.
         if self._budget_left(traj) <= 0 or result.finish_reason == "length":

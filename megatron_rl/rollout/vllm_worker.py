@@ -58,7 +58,8 @@ class VLLMBackend:
         self._device_kind, self._tp = spec.device.kind, spec.tensor_parallel_size
         self._pending: dict[str, tuple[GenerationRequest, int]] = {}  # engine id -> (request, version)
         if spec.device.kind == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+            if "kv_cache_memory_bytes" not in spec.backend_kwargs:  # the variable would override it
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
             if spec.device.ids:  # vLLM binds its OpenMP threads itself: keep them on our cores
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.device.ids))
         if spec.device.kind == "cpu":  # before the engine loads: it must keep the plain weights
