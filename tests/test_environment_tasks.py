@@ -61,6 +61,8 @@ def test_tool_task_turns(kind):
 @pytest.mark.parametrize(("kind", "options", "words"), [
     ("python", {"sandbox": {"cpu_s": 0}}, "positive"), ("python", {"sandbox": {"cpux": 1}}, "cpux"),
     ("calculator", {"max_tool_calls": 0}, "max_tool_calls"), ("calculator", {"sandbox": {}}, "sandbox"),
+    ("calculator", {"demonstration": [{"role": "bot", "content": "x"}]}, r"demonstration\[0\]"),
+    ("calculator", {"demonstration": "Q: 1+1 A: 2"}, "list of chat messages"),
 ])
 def test_tool_task_refuses_bad_options(kind, options, words):
     with pytest.raises(ValueError, match=words) as err:
@@ -76,9 +78,42 @@ def test_tool_task_caps_calls_per_turn():
     assert env.step("\\boxed{2}").reward is None  # not a reasoning_gym record: the reward function scores
 
 
+def test_tool_task_demonstration_comes_after_the_system_messages():
+    demo = [{"role": "user", "content": "2*3?"},
+            {"role": "assistant", "content": _call("calculator", expression="2*3")}, {"role": "tool", "content": "6"},
+            {"role": "assistant", "content": "\\boxed{6}"}]
+    env = load_environment("calculator", demonstration=demo, instruction="Use it.")()
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "4*5?"}]
+    question = {"role": "user", "content": "4*5?\n\nUse it."}
+    assert env.reset({"messages": chat, "metadata": {}}) == [chat[0], *demo, question]
+    assert env.reset({"messages": chat[1:], "metadata": {}})[:4] == demo
+
+
 def test_echo_counter_counts_tool_calls():
     env = load_environment("echo", turns=2)()
     env.reset({"messages": [{"role": "user", "content": "q"}]})
     first = env.step(_call("calculator", expression="1") + "<tool_call>oops")
     assert (first.done, first.tool_calls, first.tool_errors) == (False, 2, 1)
     assert env.step("").done
+
+
+def test_the_tool_example_demonstrates_correct_tool_use():
+    """examples/tool_calc_smollm2's worked examples: each demonstrated call, run by the calculator
+    task, gives the demonstrated tool result, and the answer after it boxes that result."""
+    from pathlib import Path
+
+    import yaml
+
+    from megatron_rl.rewards.base import extract_boxed
+
+    config = Path(__file__).resolve().parents[1] / "examples" / "tool_calc_smollm2" / "config.yaml"
+    options = yaml.safe_load(config.read_text())["environment"]["options"]
+    env, demo = load_environment("calculator", **options)(), options["demonstration"]
+    calls = [i for i, m in enumerate(demo) if m["role"] == "assistant" and "<tool_call>" in m["content"]]
+    assert calls
+    for i in calls:
+        turn = env.step(demo[i]["content"])
+        assert (turn.tool_calls, turn.tool_errors) == (1, 0)
+        assert [m["content"] for m in turn.observation] == [demo[i + 1]["content"]]
+        assert demo[i + 1]["role"] == "tool" and extract_boxed(demo[i + 2]["content"]) == demo[i + 1]["content"]
+        assert options["instruction"] in demo[i - 1]["content"]  # the examples ask what the question asks

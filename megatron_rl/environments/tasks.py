@@ -13,7 +13,10 @@ options (``environment.options``):
   ``reasoning_gym:<name>`` source (else None: the task's reward function scores).
   `CalculatorArithmetic` (calculator tool) and `PythonArithmetic` (sandboxed Python tool) are
   ToolTasks; their data are e.g. ``reasoning_gym:products`` with big operands
-  (``data.options: {min_digits: 5, max_digits: 7}``).
+  (``data.options: {min_digits: 5, max_digits: 7}``). ``demonstration``: chat messages of a
+  worked example (a question, the assistant's tool call, the tool's result, the boxed answer)
+  placed before the record's question (after its system messages): a one-shot demonstration of
+  the call format for a small model, the same for every trajectory (shared prompt).
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class ToolTask:
     """A question answered with tools, scored on the final turn (see module doc)."""
 
     def __init__(self, *, tools: Sequence[str] = ("calculator",), max_tool_calls: int = 4,
-                 instruction: str = "Use the tools for every calculation.", sandbox: Mapping[str, Any] | None = None):
+                 instruction: str = "Use the tools for every calculation.", sandbox: Mapping[str, Any] | None = None,
+                 demonstration: Sequence[Mapping[str, str]] = ()):
         limits = SandboxLimits(**dict(sandbox or {}))  # TypeError on an unknown limit: the loader reports it
         available: dict[str, tuple[dict, ToolFn]] = {
             "calculator": (CALCULATOR_TOOL, call_calculator),
@@ -74,15 +78,18 @@ class ToolTask:
         self.tools = tuple(available[name][0] for name in tools)
         self._handlers = {name: available[name][1] for name in tools}
         self.max_tool_calls, self.instruction = max_tool_calls, instruction
+        self.demonstration = _chat_messages(demonstration, "demonstration")
         self.record: Mapping[str, Any] = {}
 
     def reset(self, record: Mapping[str, Any]) -> list[Message]:
-        """The record's chat with the tool instruction appended to its last user turn."""
+        """The record's chat with the tool instruction appended to its last user turn, the
+        demonstration (if any) after its leading system messages."""
         self.record = record
         messages = [dict(m) for m in record["messages"]]
         if self.instruction:
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{self.instruction}"
-        return messages
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        return [*messages[:head], *(dict(m) for m in self.demonstration), *messages[head:]]
 
     def step(self, model_turn: str) -> StepResult:
         """Run the turn's tool calls, or score it as the final answer when it makes none."""
@@ -117,13 +124,31 @@ class ToolTask:
 class CalculatorArithmetic(ToolTask):
     """A `ToolTask` with the calculator tool."""
 
-    def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the calculator tool for every calculation."):
-        super().__init__(tools=("calculator",), max_tool_calls=max_tool_calls, instruction=instruction)
+    def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the calculator tool for every calculation.",
+                 demonstration: Sequence[Mapping[str, str]] = ()):
+        super().__init__(tools=("calculator",), max_tool_calls=max_tool_calls, instruction=instruction,
+                         demonstration=demonstration)
 
 
 class PythonArithmetic(ToolTask):
     """A `ToolTask` with the sandboxed Python tool (``sandbox``: `SandboxLimits` fields)."""
 
     def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the python tool for every calculation.",
-                 sandbox: Mapping[str, Any] | None = None):
-        super().__init__(tools=("python",), max_tool_calls=max_tool_calls, instruction=instruction, sandbox=sandbox)
+                 sandbox: Mapping[str, Any] | None = None, demonstration: Sequence[Mapping[str, str]] = ()):
+        super().__init__(tools=("python",), max_tool_calls=max_tool_calls, instruction=instruction, sandbox=sandbox,
+                         demonstration=demonstration)
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _chat_messages(messages: Sequence[Mapping[str, str]], name: str) -> tuple[Message, ...]:
+    """`messages` as chat message dicts; ValueError naming `name` unless each has a known role
+    and a string content."""
+    if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence):
+        raise ValueError(f"{name} must be a list of chat messages, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str) \
+                or set(m) != {"role", "content"}:
+            raise ValueError(f"{name}[{i}] must be {{role: {' | '.join(_ROLES)}, content: <text>}}, got {m!r:.80}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
