@@ -50,7 +50,7 @@ class MoeConfig:
     (every DP replica): their mean weighted as the RL loss weights them, d_m being micro-batch
     m's share of the RL loss denominator D (response tokens; sequences for grpo and dr_grpo).
     So coeff · L for one micro-batch, the plain mean for equal shares, whatever the DP size or
-    D's magnitude (``trainer.router_loss`` says how and why not the unweighted mean).
+    D's magnitude (``platform/patches/moe_aux_loss_scale`` says how, and why not the unweighted mean).
     """
 
     # load-balancing loss: per micro-batch (aux_loss), per sequence (seq_aux_loss), or none

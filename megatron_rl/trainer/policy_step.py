@@ -11,7 +11,7 @@ by 1 / D once, before the optimizer step, with D summed over all micro-batches a
 ranks. Gradients are linear in the loss, so this equals the gradient of the whole batch's
 normalised loss however the batch was split or ordered. An MoE policy's router losses, which
 megatron adds inside backward, are weighted by the micro-batch's own share of D
-(``trainer.router_loss``), so they enter the step as their denominator-weighted mean.
+(``platform/patches/moe_aux_loss_scale``), so they enter the step as their denominator-weighted mean.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
 from megatron_rl.attention.packing import pad_responses, response_mask
 from megatron_rl.pipeline.records import MicroBatch, unshare_prompts
+from megatron_rl.platform.patches.moe_aux_loss_scale import router_loss_weight
 from megatron_rl.trainer.mismatch_gate import check_mismatch
-from megatron_rl.trainer.router_loss import router_loss_weight
 from megatron_rl.trainer.world_metrics import counts_loss, world_merged
 from megatron_rl.trimodel import TriLogprobs, TriModel
 
@@ -70,7 +70,7 @@ class PolicyTrainer:
         mb = mb.to(self.device)  # once per micro-batch: the loss meets only device tensors
         mask = self._counted(mb)
         share = loss_denominator(self.loss, mask)  # this micro-batch's share of D, on every PP stage
-        with router_loss_weight(share):  # MoE router losses weighted by it (trainer/router_loss.py)
+        with router_loss_weight(share):  # MoE router losses weighted by it (moe_aux_loss_scale)
             self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb, mask, share),
                               finalize_grads=False)
 
