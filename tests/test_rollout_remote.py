@@ -66,6 +66,7 @@ class _FakeWorker:
     def __init__(self, index):
         self.spec = SimpleNamespace(index=index)
         self.outstanding, self.in_flight, self.chunks, self.sent = 0, {}, deque(), []
+        self.streaming = False  # a chunked worker: at most PREFETCH commands
 
     def send(self, command):
         self.outstanding += 1

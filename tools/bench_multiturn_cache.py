@@ -1,0 +1,78 @@
+"""Prefix caching between the turns of multi-turn rollouts: the tool example's environment run a
+few turns on its vLLM engine, once with ``enable_prefix_caching`` on and once off.
+
+For each setting: the prefix-cache hit rate (prompt tokens of all turns that vLLM served from
+its cache, ``GenerationResult.cached_tokens``, over all turns' prompt tokens: the figure the
+trainer logs as ``multiturn/prefix_cache_hit_rate``), the prompt tokens the engine had to
+prefill, turns, and the rollout's seconds (engine start excluded). Same seeds both times, so
+both runs sample the same trajectories up to float rounding. Prints one JSON line.
+
+    .venv/bin/python tools/bench_multiturn_cache.py [--config examples/tool_calc_smollm2/config.yaml]
+        [--prompts 4] [--group 4] [--block-size N] [--kv-mib 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.data.sources import read_records  # noqa: E402
+from megatron_rl.environments.base import record_fields  # noqa: E402
+from megatron_rl.rollout import build_engine  # noqa: E402
+from megatron_rl.rollout.multiturn import GroupStart  # noqa: E402
+from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings  # noqa: E402
+
+
+def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
+    """One engine with ``vllm`` options; the rollout of ``records`` x ``group`` and its figures."""
+    settings = engine_settings(cfg)
+    engine = build_engine(replace(settings, vllm={**settings.vllm, **vllm}))
+    try:
+        sampling = replace(sampling_settings(cfg, tokenizer), seed=None)
+        rollout = multiturn_rollout(cfg, tokenizer, sampling)
+        starts = [GroupStart(base=f"0/{r.prompt_id}", fields=record_fields(r, instruction=rollout.settings.instruction),
+                             seed=lambda k, t, p=p: 1000 * p + 10 * k + t) for p, r in enumerate(records)]
+        begin = time.perf_counter()
+        trajectories = list(rollout.run(engine, starts, group, stop=threading.Event(), check_version=lambda *_: None))
+        seconds = time.perf_counter() - begin
+    finally:
+        engine.shutdown()
+    prompt = sum(t.turn_prompt_tokens for t in trajectories)
+    cached = sum(t.cached_tokens or 0 for t in trajectories)
+    return {"prefix_cache_hit_rate": round(cached / max(prompt, 1), 4), "turn_prompt_tokens": prompt,
+            "prefilled_tokens": prompt - cached, "turns": sum(t.turns for t in trajectories),
+            "trajectories": len(trajectories), "seconds": round(seconds, 2)}
+
+
+def main() -> None:
+    """Parse the arguments, run caching on and off, print one JSON line."""
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="examples/tool_calc_smollm2/config.yaml")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=None, help="KV block (default: vLLM's, 128 on CPU)")
+    parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (MiB)")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    records = read_records(cfg.data.source, size=args.prompts, seed=cfg.data.seed, options=cfg.data.options).records
+    figures = {"bench": "multiturn_prefix_cache", "config": args.config, "prompts": len(records),
+               "group": args.group, "block_size": args.block_size}
+    engine = {"kv_cache_memory_bytes": args.kv_mib << 20} | ({"block_size": args.block_size} if args.block_size else {})
+    for name, on in (("cache_on", True), ("cache_off", False)):
+        figures[name] = run(cfg, tokenizer, records, args.group, {"enable_prefix_caching": on, **engine})
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
