@@ -11,7 +11,6 @@ every replica's micro-batches (``pipeline.dispatch``, ``trainer.data_parallel``)
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from megatron_rl.trainer.engine_probe import make_probe
 from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
 from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
+from megatron_rl.trainer.snapshot_dir import make_snapshot_dir
 
 EngineFactory = Callable[[EngineSettings], RolloutEngine]
 
@@ -174,6 +174,6 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
 def _shared_snapshot_root() -> Path:
     """A directory for weight snapshots, in shared memory when the machine has it; same on all ranks."""
     base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    box = [tempfile.mkdtemp(prefix="megatron_rl-weights-", dir=base) if dist.get_rank() == 0 else None]
+    box = [str(make_snapshot_dir(base)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return Path(box[0])
