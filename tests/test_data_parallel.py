@@ -45,7 +45,9 @@ def setup(tmp_path_factory):
 LAYOUTS = {  # DP = 2 in sync mode: the two-node run
     "dp2_periodic": (2, ["pipeline.mode=periodic"]),
     "tp2_dp2_sync": (4, ["parallel.tp=2", "pipeline.mode=sync"]),
-    "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic"]),
+    # + the engine probe at DP 2 (replica 0 measures, every rank merges): it must not disturb training
+    "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic",
+                             "algorithm.rollout_correction.probe_sequences=4"]),
     "pp2_dp2_sync": (4, ["parallel.pp=2", "pipeline.mode=sync"]),  # rank 0 holds no loss: metrics of the world
 }
 
@@ -96,6 +98,18 @@ def test_data_parallel_run_equals_the_dp1_run(setup, layout_run, layout):
     assert_same_history(history, ref_hist)
     if "periodic" in layout:
         assert_engine_sampled_from_trained_weights(tmp, out, results)
+    if any("probe_sequences" in o for o in LAYOUTS[layout][1]):
+        assert_probe_measured_round_off(history)
+
+
+def assert_probe_measured_round_off(history):
+    """After each sync the engines (fp32 hf) score 4 just-trained sequences; the policy agrees to
+    round-off, over fewer tokens than the probe packed (its responses, not the prompts too)."""
+    probed = [h for h in history if "mismatch_probe/n_tokens" in h]
+    assert len(probed) >= 2, [sorted(h) for h in history]
+    for h in probed:
+        assert 0 < h["mismatch_probe/n_tokens"] < h["probe/tokens"], h
+        assert h["probe/sequences"] == 4.0 and h["mismatch_probe/logprob_abs_diff_max"] <= 1e-4, h
 
 
 def assert_same_history(history, ref_hist):
