@@ -31,6 +31,7 @@ from typing import Any
 
 from megatron_rl.config.fields import require_values
 from megatron_rl.environments.base import Environment, Message, StepResult
+from megatron_rl.rewards.failures import FailureLog
 from megatron_rl.rewards.guard import _Call, number_or_problem
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,8 @@ class EnvironmentRunner:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
         self._lock = threading.Lock()
         self._counts = {"resets": 0, "steps": 0, "seconds": 0.0, "tool_calls": 0, "tool_errors": 0}
-        self._failures = dict.fromkeys(FAILURE_KINDS, 0)
-        self._first_error: str | None = None
+        self._failures = FailureLog(FAILURE_KINDS, logger=logger, subject=f"environment {self.name}",
+                                    consequence="the trajectory ends")
         self._pending: list[threading.Thread] = []
 
     def submit_reset(self, env: Environment, record: Mapping[str, Any], *, tag: str = "") -> Future[list[Message]]:
@@ -142,28 +143,22 @@ class EnvironmentRunner:
     def _fail(self, failure: tuple[str, str, str], what: str, tag: str) -> str:
         kind, message, trace = failure
         text = f"{kind} in {what}{f' ({tag})' if tag else ''}: {message}"
-        with self._lock:
-            first_of_kind = self._failures[kind] == 0
-            self._failures[kind] += 1
-            self._first_error = self._first_error or text
-        if first_of_kind:
-            logger.warning("environment %s: %s; the trajectory ends (further %s failures are only counted)%s",
-                           self.name, text, kind, f"\n{trace}" if trace else "")
+        self._failures.record(kind, text, trace)
         self._check_limit()
         return text
 
     def _check_limit(self) -> None:
-        with self._lock:
-            failed, first = sum(self._failures.values()), self._first_error
+        failed = sum(self._failures.counts().values())
         if self.max_failures is not None and failed > self.max_failures:
             raise EnvironmentFailureLimit(f"{failed} environment calls failed, more than environment.max_failures "
-                                          f"({self.max_failures}); the first: {first}")
+                                          f"({self.max_failures}); the first: {self._failures.first_error}")
 
     def stats(self) -> EnvironmentStats:
         """A snapshot of the counters."""
         with self._lock:
             self._pending = [t for t in self._pending if t.is_alive()]
-            return EnvironmentStats(**self._counts, failures=dict(self._failures), first_error=self._first_error,
+            return EnvironmentStats(**self._counts, failures=self._failures.counts(),
+                                    first_error=self._failures.first_error,
                                     abandoned=len(self._pending))
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from megatron_rl.config.fields import require_values
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.rewards.base import RewardFn
+from megatron_rl.rewards.failures import FailureLog
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,7 @@ class GuardedReward:
         self.fn, self.timeout_s, self.name = fn, timeout_s, name or getattr(fn, "__name__", repr(fn))
         self._lock = threading.Lock()
         self._calls = 0
-        self._failures = dict.fromkeys(FAILURE_KINDS, 0)
-        self._first_error: str | None = None
+        self._failures = FailureLog(FAILURE_KINDS, logger=logger, subject=f"reward {self.name}", consequence="scored 0")
         self._pending: list[threading.Thread] = []  # timed-out calls
 
     def __call__(self, record: PromptRecord, response_text: str) -> float:
@@ -139,19 +139,12 @@ class GuardedReward:
         return number
 
     def _fail(self, kind: str, record: PromptRecord, message: str, trace: str = "") -> float:
-        text = f"{kind} on prompt {record.prompt_id!r}: {message}"
-        with self._lock:
-            first_of_kind = self._failures[kind] == 0
-            self._failures[kind] += 1
-            self._first_error = self._first_error or text
-        if first_of_kind:
-            logger.warning("reward %s: %s; scored 0 (further %s failures are only counted)%s",
-                           self.name, text, kind, f"\n{trace}" if trace else "")
+        self._failures.record(kind, f"{kind} on prompt {record.prompt_id!r}: {message}", trace)
         return 0.0
 
     def stats(self) -> RewardStats:
         """A snapshot of the counters."""
         with self._lock:
             self._pending = [t for t in self._pending if t.is_alive()]
-            return RewardStats(calls=self._calls, failures=dict(self._failures), first_error=self._first_error,
-                               abandoned=len(self._pending))
+            return RewardStats(calls=self._calls, failures=self._failures.counts(),
+                               first_error=self._failures.first_error, abandoned=len(self._pending))
