@@ -167,4 +167,5 @@ def test_routes_survive_dp_shipping_and_the_vllm_output():
                                                             {8: SimpleNamespace(logprob=-2.0)}],
                                  finish_reason="length", routed_experts=routes)
     request = GenerationRequest(request_id="r", prompt_ids=(1, 2, 3), sampling=SamplingSettings())
-    assert _result(request, completion, 0).routed_experts == RoutedExperts(routes)
+    output = SimpleNamespace(outputs=[completion], num_cached_tokens=0)  # vLLM's RequestOutput
+    assert _result(request, output, 0).routed_experts == RoutedExperts(routes)
