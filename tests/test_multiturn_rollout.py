@@ -19,7 +19,7 @@ from megatron_rl.environments.tasks import EchoCounter
 from megatron_rl.environments.template import observation_ids, prompt_ids
 from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
 from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
-from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.rollout.wrapper import EngineWrapper, StreamRecorder
 from tests.multiturn_fixtures import make_tiny_chat_model
 from tests.rl_fixtures import teacher_forced_logprobs
 
@@ -27,19 +27,6 @@ pytestmark = [pytest.mark.multiproc]
 
 QUESTIONS = ("What is 3+4?", "Add 12 and 30.")
 G, MAX_NEW, BUDGET = 3, 8, 70
-
-
-class StreamRecorder(EngineWrapper):
-    """Keeps every turn result the stream yields (by request id)."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.results: dict = {}
-
-    def generate_stream(self, feed):
-        for result in self.inner.generate_stream(feed):
-            self.results[result.request_id] = result
-            yield result
 
 
 class Flaky(EchoCounter):

@@ -27,7 +27,7 @@ from megatron_rl.rollout import multiturn as multiturn_module
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
 from megatron_rl.rollout.types import SamplingSettings
-from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.rollout.wrapper import StreamRecorder
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import engine_settings, request, run_all
 
@@ -130,16 +130,3 @@ def test_turns_of_other_trajectories_interleave_with_a_long_turn(engine, monkeyp
         for before, r in zip(mine, mine[1:], strict=False):  # KV of the previous turn's prompt + response[:-1]
             computed = min(len(before.prompt_ids) + len(before.response_ids) - 1, len(r.prompt_ids) - 1)
             assert r.cached_tokens >= computed // BLOCK * BLOCK > 0, (r.request_id, r.cached_tokens, computed)
-
-
-class StreamRecorder(EngineWrapper):
-    """Keeps every turn result the stream yields (by request id)."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.results: dict = {}
-
-    def generate_stream(self, feed):
-        for result in self.inner.generate_stream(feed):
-            self.results[result.request_id] = result
-            yield result

@@ -33,7 +33,7 @@ from megatron_rl.data.sources import read_records  # noqa: E402
 from megatron_rl.environments.base import record_fields  # noqa: E402
 from megatron_rl.rollout import build_engine  # noqa: E402
 from megatron_rl.rollout.multiturn import GroupStart  # noqa: E402
-from megatron_rl.rollout.wrapper import EngineWrapper  # noqa: E402
+from megatron_rl.rollout.wrapper import StreamRecorder  # noqa: E402
 from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
         starts = [GroupStart(base=f"0/{r.prompt_id}", fields=record_fields(r, instruction=rollout.settings.instruction),
                              seed=lambda k, t, p=p: 1000 * p + 10 * k + t) for p, r in enumerate(records)]
         begin = time.perf_counter()
-        recorder = _Recorder(engine)
+        recorder = StreamRecorder(engine)
         trajectories = list(rollout.run(recorder, starts, group, stop=threading.Event(),
                                         check_version=lambda *_: None))
         seconds = time.perf_counter() - begin
@@ -61,20 +61,6 @@ def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
             "later_turns_hit_rate": round(later_rate, 4), "turn_prompt_tokens": prompt,
             "prefilled_tokens": prompt - cached, "turns": sum(t.turns for t in trajectories),
             "trajectories": len(trajectories), "seconds": round(seconds, 2)}
-
-
-class _Recorder(EngineWrapper):
-    """Keeps every turn's result (by request id)."""
-
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.results: dict = {}
-
-    def generate_stream(self, feed):
-        """The inner stream, each result kept."""
-        for result in self.inner.generate_stream(feed):
-            self.results[result.request_id] = result
-            yield result
 
 
 def main() -> None:

@@ -42,3 +42,17 @@ class EngineWrapper:
 
     def __getattr__(self, name: str):  # status(), ... of the wrapped pool
         return getattr(self.inner, name)
+
+
+class StreamRecorder(EngineWrapper):
+    """Keeps every turn result ``generate_stream`` yields, by request id (``results``)."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        super().__init__(inner)
+        self.results: dict[str, GenerationResult] = {}
+
+    def generate_stream(self, feed):
+        """The inner stream, each result kept."""
+        for result in self.inner.generate_stream(feed):
+            self.results[result.request_id] = result
+            yield result
