@@ -32,7 +32,7 @@ $(EMULATED_STAMP): $(STAMP) $(EMULATED_SRC)
 
 # Every tier (what CI runs).
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=30 tests
 
 # The edit-test loop: no full training runs, process worlds or vLLM engines (pytest.ini markers).
 test-fast: install

@@ -31,29 +31,11 @@ def _calls_a_process_starter(item: pytest.Item) -> bool:
     return any(PROCESS_STARTERS & _names(f) for f in funcs)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's hook, which turns the mark into the node id's @suffix
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Add ``multiproc`` to every test that starts processes through the helpers above, and put
-    every process-starting test in one xdist group: under ``make test`` (``-n 2 --dist loadgroup``)
-    they run one after another on one worker, so two process worlds never share the cores while
-    the other worker runs the single-process tests."""
-    xdist = config.pluginmanager.hasplugin("xdist")
+    """Add ``multiproc`` to every test that starts processes through the helpers above."""
     for item in items:
         if "multiproc" not in item.keywords and _calls_a_process_starter(item):
             item.add_marker(pytest.mark.multiproc)
-        if xdist and ("multiproc" in item.keywords or "vllm" in item.keywords):
-            item.add_marker(pytest.mark.xdist_group("processes"))
-
-
-def _check_loadgroup(config: pytest.Config) -> None:
-    """Refuse ``--dist loadgroup`` under pytest >= 9.2: its structured node ids make xdist drop
-    the ``@group`` suffix, so the ``processes`` group is spread over the workers silently
-    (pytest-dev/pytest-xdist#1386; setup.py pins ``pytest<9.2`` until xdist is fixed)."""
-    from packaging.version import Version
-
-    if config.getoption("dist", None) == "loadgroup" and Version(pytest.__version__).release >= (9, 2):
-        raise pytest.UsageError(f"--dist loadgroup does not group under pytest {pytest.__version__} "
-                                "(pytest-dev/pytest-xdist#1386): pip install 'pytest<9.2'")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,7 +43,6 @@ def pytest_configure(config: pytest.Config) -> None:
     at set-up: PyTorch's autograd engine sizes its per-device queues once, at the first backward
     of a process, from the devices registered then (a later emulated backward would hit its
     internal assert ``device_ready_queues_``)."""
-    _check_loadgroup(config)
     from megatron_rl.platform import emulated
 
     emulated.load()
