@@ -131,3 +131,17 @@ def test_timeout_holds_in_the_producer_thread_and_reaches_the_step_metrics():
     assert summary.extra_metrics["reward/failures"] == len(hung)
     rewards = {s.request_id: s.reward for mb in trainer.micro_batches for g in mb.groups for s in g.samples}
     assert rewards == {r.request_id: 0.0 if r.request_id in hung else 1.0 for r in engine.results}
+
+
+def test_the_first_failure_is_kept_and_each_kind_warns_once(caplog):
+    """Two kinds, each failing twice: the first error stays the first one, one warning per kind."""
+    by_prompt = {"a": "x", "b": float("nan")}
+    guarded = GuardedReward(lambda record, text: by_prompt[record.prompt_id], timeout_s=5.0, name="mixed")
+    with caplog.at_level("WARNING", logger="megatron_rl.rewards.guard"):
+        for prompt_id in ("a", "b", "a", "b"):
+            assert guarded(PromptRecord(prompt_id=prompt_id, text="?", answer="1"), "y") == 0.0
+    stats = guarded.stats()
+    assert stats.failures["not_a_number"] == 2 and stats.failures["non_finite"] == 2
+    assert stats.first_error.startswith("not_a_number on prompt 'a': "), stats.first_error
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reward mixed: ")]
+    assert len(warned) == 2 and "not_a_number" in warned[0] and "non_finite" in warned[1], warned

@@ -20,17 +20,15 @@ class FailureLog:
         self._first: str | None = None
         self._logger, self._subject, self._consequence = logger, subject, consequence
 
-    def record(self, kind: str, text: str, trace: str = "") -> int:
-        """Count one failure of ``kind`` described by ``text``; the total failed so far."""
+    def record(self, kind: str, text: str, trace: str = "") -> None:
+        """Count one failure of ``kind`` described by ``text``."""
         with self._lock:
             first_of_kind = self._counts[kind] == 0
             self._counts[kind] += 1
             self._first = self._first or text
-            total = sum(self._counts.values())
         if first_of_kind:
             self._logger.warning("%s: %s; %s (further %s failures are only counted)%s", self._subject, text,
                                  self._consequence, kind, f"\n{trace}" if trace else "")
-        return total
 
     def counts(self) -> dict[str, int]:
         """A copy of the counts by kind."""
