@@ -124,11 +124,15 @@ def parity_reward(record: FakeRecord, text: str) -> float:
 
 
 class FakeTrainer:
-    """Records micro-batches and optimizer steps; ``sync_weights`` syncs the engine to ``version``."""
+    """Records micro-batches and optimizer steps; ``sync_weights`` syncs the engine to ``version``.
+
+    ``lead=(k, batches)``: before moving the engine from version v-1 to v, wait until a result of
+    batch v-1+k (while it is < batches) has come out, so stale mode runs exactly k batches ahead
+    whatever else the machine is doing (a sleeping trainer only makes it likely)."""
 
     def __init__(self, engine: FakeEngine, *, sleep_s: float = 0.0, fail_micro_at: int | None = None,
-                 fail_finish_at: int | None = None) -> None:
-        self.engine, self.sleep_s = engine, sleep_s
+                 fail_finish_at: int | None = None, lead: tuple[int, int] | None = None) -> None:
+        self.engine, self.sleep_s, self.lead = engine, sleep_s, lead
         self.fail_micro_at, self.fail_finish_at = fail_micro_at, fail_finish_at
         self.micro_batches: list[MicroBatch] = []
         self.steps: list[int] = []  # micro-batches trained before each optimizer step (cumulative)
@@ -147,8 +151,19 @@ class FakeTrainer:
         if self.fail_finish_at is not None and len(self.syncs) == self.fail_finish_at:
             raise ValueError("optimizer exploded")
         self.syncs.append(version)
+        if self.lead is not None:
+            self._wait_for_batch(version - 1 + self.lead[0])
         self.engine.load_weights(SnapshotUpdate(f"/snapshots/{version}"), version)
         return version
+
+    def _wait_for_batch(self, step: int, timeout_s: float = 30.0) -> None:
+        if step >= self.lead[1]:
+            return
+        give_up = time.monotonic() + timeout_s
+        while not any(r.request_id.startswith(f"{step}/") for r in list(self.engine.results)):
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"batch {step} never started: the producer did not run {self.lead[0]} ahead")
+            time.sleep(0.001)
 
 
 def train_one_step(pipe: Pipeline, trainer) -> BatchSummary:

@@ -80,6 +80,32 @@ class RecordingEngine(EngineWrapper):
 RECORDED: list = []
 
 
+class LeadHoldingEngine(RecordingEngine):
+    """A ``RecordingEngine`` that makes stale mode run ahead by exactly ``lead`` batches, however
+    the cores are shared: ``load_weights(v)`` (the trainer moving the engine from θ_{v-1} to θ_v)
+    first waits until ``results`` results of batch v-1+lead have come out, sampled at θ_{v-1}
+    (the whole batch when ``results`` is its size); only while such a batch exists (``batches``).
+    Timing alone (a trainer slower than generation) cannot promise that on a loaded machine."""
+
+    def __init__(self, inner, *, lead: int, batches: int, results: int = 1, timeout_s: float = 120.0) -> None:
+        super().__init__(inner)
+        self.lead, self.batches, self.results, self.timeout_s = lead, batches, results, timeout_s
+
+    def load_weights(self, update, version: int) -> None:
+        import time
+
+        ahead = version - 1 + self.lead
+        if version >= 1 and ahead < self.batches:
+            give_up = time.monotonic() + self.timeout_s
+            while sum(int(r.request_id.split("/")[0]) == ahead for r in list(RECORDED)) < self.results:
+                if time.monotonic() > give_up:
+                    raise RuntimeError(f"fewer than {self.results} results of batch {ahead} within "
+                                       f"{self.timeout_s:.0f} s at θ_{version - 1}: the producer did not run "
+                                       f"{self.lead} batches ahead")
+                time.sleep(0.01)
+        super().load_weights(update, version)
+
+
 def recording_factory(settings):
     from megatron_rl.rollout import build_engine
 
@@ -108,6 +134,29 @@ def train_recorded(config_path: str, overrides: list[str]):
     from megatron_rl.trainer.loop import train
 
     history = train(load_config(config_path, overrides), platform=TRAIN_PLATFORM, engine_factory=recording_factory)
+    return history, list(RECORDED)
+
+
+def lead_holding_factory(cfg, lead: int, *, whole_batch: bool = False):
+    """An engine factory of ``LeadHoldingEngine``s for the run ``cfg`` (fixed G): stale mode runs
+    ``lead`` batches ahead, with the whole batch sampled ahead when ``whole_batch``."""
+    from megatron_rl.rollout import build_engine
+
+    results = cfg.trainer.prompts_per_batch * cfg.control.group_size if whole_batch else 1
+
+    def factory(settings):
+        return LeadHoldingEngine(build_engine(settings), lead=lead, batches=cfg.trainer.steps, results=results)
+
+    return factory
+
+
+def train_recorded_ahead(config_path: str, overrides: list[str], lead: int):
+    """``train_recorded`` with a ``LeadHoldingEngine``: stale mode reaches staleness ``lead``."""
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.loop import train
+
+    cfg = load_config(config_path, overrides)
+    history = train(cfg, platform=TRAIN_PLATFORM, engine_factory=lead_holding_factory(cfg, lead))
     return history, list(RECORDED)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl.rollout.wrapper import EngineWrapper
 from tests.distributed import run_distributed
-from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
+from tests.rl_fixtures import TRAIN_PLATFORM, lead_holding_factory, make_tiny_rl_model, tiny_rl_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -46,17 +46,21 @@ def _behind_factory(settings):
     return OneVersionBehindEngine(build_engine(settings), settings.model_path)
 
 
-def _train(config_path: str, overrides: list[str], behind: bool):
-    """A rank's body: ("stopped", message) if the alarm stopped the run, else ("done", history)."""
+def _train(config_path: str, overrides: list[str], behind: bool, whole_batch_ahead: bool = False):
+    """A rank's body: ("stopped", message) if the alarm stopped the run, else ("done", history).
+    ``whole_batch_ahead``: stale mode samples each next batch whole before the trainer syncs."""
     from megatron_rl.algorithms import MismatchAlarmError
     from megatron_rl.config import load_config
     from megatron_rl.trainer.loop import train
 
+    if behind:  # the wrapper replays snapshots one version late
+        overrides = [*overrides, "rollout.weight_sync=snapshot"]
+    cfg = load_config(config_path, overrides)
+    factory = _behind_factory if behind else None
+    if whole_batch_ahead:
+        factory = lead_holding_factory(cfg, cfg.pipeline.max_staleness, whole_batch=True)
     try:
-        if behind:  # the wrapper replays snapshots one version late
-            overrides = [*overrides, "rollout.weight_sync=snapshot"]
-        history = train(load_config(config_path, overrides), platform=TRAIN_PLATFORM,
-                        engine_factory=_behind_factory if behind else None)
+        history = train(cfg, platform=TRAIN_PLATFORM, engine_factory=factory)
     except MismatchAlarmError as e:
         return "stopped", str(e)
     return "done", history
@@ -114,7 +118,7 @@ def test_stale_mode_engine_one_version_behind_is_caught_by_the_probe_at_the_firs
 
 def test_stale_mode_synced_engine_probe_logs_round_off_every_step(config):
     """At PP = 2: rank 0 (first stage) scores on the engines, the last stage compares, rank 0 logs."""
-    (status, history), _ = run_distributed(_train, 2, config, [*ALARM, *STALE, "parallel.pp=2"], False,
+    (status, history), _ = run_distributed(_train, 2, config, [*ALARM, *STALE, "parallel.pp=2"], False, True,
                                            timeout_s=900)
     assert status == "done" and len(history) == 3
     for h in history:

@@ -11,8 +11,8 @@ from tests.pipeline_fakes import FakeEngine, FakePrompts, FakeTrainer, deadline,
 PROMPTS = [f"p{i}" for i in range(12)]
 
 
-def run(engine, steps=3, trainer_sleep=0.0, **kw):
-    trainer = FakeTrainer(engine, sleep_s=trainer_sleep)
+def run(engine, steps=3, lead=None, **kw):
+    trainer = FakeTrainer(engine, lead=None if lead is None else (lead, steps))
     with deadline(60), make_pipeline(engine, num_steps=steps, **kw) as pipe:
         summaries = [train_one_step(pipe, trainer) for _ in range(steps)]
     return trainer, summaries
@@ -41,7 +41,7 @@ def test_stale_sagc_credits_every_observation_to_the_g_that_produced_it(k):
     controller, engine = RecordingSAGC(settings), FakeEngine(delay_s=0.0002)
     prompts = FakePrompts(PROMPTS[:6], per_batch=6)
     trainer, summaries = run(engine, steps=10, mode="stale", max_staleness=k, controller=controller,
-                             prompts=prompts, trainer_sleep=0.005)
+                             prompts=prompts, lead=k)
     kinds = [kind for kind, _ in controller.calls]
     assert kinds == ["choose", "observe"] * 10  # strictly alternating: batch t observed before t+1 is chosen
     length = {r.request_id: len(r.response_ids) for r in engine.results}

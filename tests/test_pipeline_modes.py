@@ -22,8 +22,8 @@ from tests.pipeline_fakes import (
 )
 
 
-def run(engine, steps=3, trainer_sleep=0.0, **kw):
-    trainer = FakeTrainer(engine, sleep_s=trainer_sleep)
+def run(engine, steps=3, trainer_sleep=0.0, lead=None, **kw):
+    trainer = FakeTrainer(engine, sleep_s=trainer_sleep, lead=None if lead is None else (lead, steps))
     with deadline(60), make_pipeline(engine, num_steps=steps, **kw) as pipe:
         reports = [train_one_step(pipe, trainer) for _ in range(steps)]
     assert not producer_threads()
@@ -104,7 +104,7 @@ def test_on_policy_batches_carry_one_version(mode):
 @pytest.mark.parametrize("k", [1, 2])
 def test_stale_mode_runs_ahead_within_the_bound(k):
     engine = FakeEngine(delay_s=0.0005)
-    trainer, reports = run(engine, steps=5, mode="stale", max_staleness=k, trainer_sleep=0.03)  # outlasts generation
+    trainer, reports = run(engine, steps=5, mode="stale", max_staleness=k, lead=k)
     for step, version in engine.calls:
         assert version >= step - k  # generation of batch t starts at a version >= t - k
     assert max(step - version for step, version in engine.calls) == k  # it did run ahead

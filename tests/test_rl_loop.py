@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.rl_fixtures import load_weights, make_tiny_rl_model, teacher_forced_logprobs, tiny_rl_config, train_recorded
+from tests.rl_fixtures import (
+    load_weights,
+    make_tiny_rl_model,
+    teacher_forced_logprobs,
+    tiny_rl_config,
+    train_recorded,
+    train_recorded_ahead,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -49,10 +56,10 @@ def setup(tmp_path_factory):
     return tmp, str(config)
 
 
-def _run(tmp, config, name, world, overrides):
+def _run(tmp, config, name, world, overrides, *, body=train_recorded, extra=()):
     out = tmp / name
-    ranks = run_distributed(train_recorded, world, config, [*overrides, f"trainer.save_dir={out}",
-                                                            "trainer.save_every=1"], timeout_s=900)
+    ranks = run_distributed(body, world, config, [*overrides, f"trainer.save_dir={out}", "trainer.save_every=1"],
+                            *extra, timeout_s=900)
     history, results = ranks[0]
     return out, history, results
 
@@ -215,12 +222,13 @@ def _a3po_loss(tmp, out, results, step, clip=0.2):
 def test_stale_mode_reaches_its_staleness_and_trains_the_a3po_loss(setup, k):
     """stale + A-3PO: generation runs up to k versions ahead; every sample's log-probs are those of
     the version it claims (checked against that checkpoint); one step's loss equals the written-out
-    A-3PO loss."""
+    A-3PO loss. The engine holds each weight update until the producer is k batches ahead
+    (``LeadHoldingEngine``), so the lead does not depend on how the cores are shared."""
     tmp, config = setup
     out, history, results = _run(tmp, config, f"stale_k{k}", 1, [
         "pipeline.mode=stale", f"pipeline.max_staleness={k}", "pipeline.queue_size=64",
-        "algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear", "trainer.steps=6",
-        "control.group_size=8"])  # training outlasts generation, so the producer runs k batches ahead
+        "algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear", "trainer.steps=6"],
+        body=train_recorded_ahead, extra=(k,))
     assert [h["train/version"] for h in history] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert max(h["rollout/staleness_max"] for h in history) == k  # it really ran ahead by k
 
