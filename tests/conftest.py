@@ -46,3 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from megatron_rl.platform import emulated
 
     emulated.load()
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # not xdist's controller
+        from tests.distributed import start_forkserver
+
+        start_forkserver()  # in the background, before a RewardPool could start it with less

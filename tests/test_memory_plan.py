@@ -145,7 +145,8 @@ def test_memory_model_within_20_percent_of_measured(family, dtype, kl, recompute
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned rank's glibc at start
     path = make_tiny_hf(tmp_path / family, family, layers=4, tied=family == "llama")
     stages = _plan(path, dtype, kl, recompute, tp, pp)
-    for measured in run_distributed(_measure, tp * pp, str(path), dtype, kl, RECOMPUTE_SETTINGS[recompute], tp, pp):
+    for measured in run_distributed(_measure, tp * pp, str(path), dtype, kl, RECOMPUTE_SETTINGS[recompute], tp, pp,
+                                    fresh=True):  # measures its own process memory
         _compare(stages[measured["stage"]], measured, f"{family} {dtype} tp{tp} pp{pp} recompute {recompute}",
                  peak_high=PEAK_HIGH.get(recompute, 1.2))
 
@@ -184,5 +185,5 @@ def test_logprob_buffers_within_20_percent_of_measured(chunk, tmp_path, monkeypa
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     path = _large_vocab_model(tmp_path / "qwen2-32k")
     (stage,) = _plan(path, "bfloat16", 0.0, "none", 1, 1, chunk)
-    (measured,) = run_distributed(_measure, 1, str(path), "bfloat16", 0.0, {}, 1, 1, chunk)
+    (measured,) = run_distributed(_measure, 1, str(path), "bfloat16", 0.0, {}, 1, 1, chunk, fresh=True)
     _compare(stage, measured, f"qwen2 32k vocab bf16 chunk {chunk}")

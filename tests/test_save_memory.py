@@ -90,7 +90,7 @@ def test_save_and_snapshot_peak_is_one_gathered_tensor(tmp_path, monkeypatch, tp
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned ranks' glibc at start
     path = str(_wide_model(tmp_path / "wide"))
-    ranks = run_distributed(_measure, 2, path, str(tmp_path), tp, distributed)
+    ranks = run_distributed(_measure, 2, path, str(tmp_path), tp, distributed, fresh=True)  # process memory
     for m in ranks:
         print(f"rank {m['rank']}: largest tensor {m['largest'] / 2**20:.1f} MiB, stage weights "
               f"{m['weights'] / 2**20:.1f} MiB, moments {m['moments'] / 2**20:.1f} MiB; peak rise MiB: "
