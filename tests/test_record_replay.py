@@ -60,8 +60,8 @@ def setup(tmp_path_factory):
 def test_replay_makes_the_update_of_the_live_run(setup):
     tmp, config = setup
     rec = tmp / "live.jsonl"
-    (live,) = run_distributed(train_run, 1, config, [f"rollout.record={rec}", f"trainer.save_dir={tmp / 'live'}"],
-                              timeout_s=600)
+    (live,) = run_distributed(train_run, 1, config, [f"rollout.record={rec}", f"trainer.save_dir={tmp / 'live'}",
+                                                     "trainer.save_every=1"], timeout_s=600)
     assert rec.read_text().count('"kind": "group"') == 9
     (replayed,) = run_distributed(train_run, 1, config, [f"trainer.save_dir={tmp / 'replayed'}"], str(rec),
                                   timeout_s=600)
@@ -71,6 +71,15 @@ def test_replay_makes_the_update_of_the_live_run(setup):
     assert max((a[k] - initial[k]).abs().max().item() for k in a) > 1e-3
     for key, value in a.items():
         assert ((b[key] - value).abs().max() / value.abs().max()).item() <= 1e-6, key
+    # replayed from the live run's checkpoint after step 1: versions (and staleness) as live
+    (resumed,) = run_distributed(train_run, 1, config, [f"trainer.save_dir={tmp / 'replayed_from_1'}",
+                                                        f"trainer.resume_from={tmp / 'live' / 'step_1'}"], str(rec),
+                                 timeout_s=600)
+    assert [h["train/version"] for h in resumed] == [h["train/version"] for h in live[1:]] == [2.0, 3.0]
+    assert [h["rollout/staleness_max"] for h in resumed] == [0, 0]
+    c = load_weights(tmp / "replayed_from_1" / "step_3" / "model")
+    for key, value in a.items():
+        assert ((c[key] - value).abs().max() / value.abs().max()).item() <= 1e-6, key
 
 
 @pytest.mark.slow

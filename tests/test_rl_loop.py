@@ -250,9 +250,12 @@ def test_resume_from_a_checkpoint_continues_exactly(setup):
     straight, _, _ = _run(tmp, config, "straight", 1, ["pipeline.mode=sync"])
     assert (straight / "step_1" / "trainer_state.json").is_file()
     assert not list(straight.glob("*.tmp")), "a staging directory was left behind"
-    resumed, history, _ = _run(tmp, config, "resumed", 1, ["pipeline.mode=sync",
-                                                           f"trainer.resume_from={straight / 'step_1'}"])
+    resumed, history, results = _run(tmp, config, "resumed", 1, ["pipeline.mode=sync",
+                                                                 f"trainer.resume_from={straight / 'step_1'}"])
     assert len(history) == 2
+    # versions keep counting optimizer steps: the engines start at the checkpoint's version 1
+    assert [h["train/version"] for h in history] == [2.0, 3.0]
+    assert {(int(r.request_id.split("/")[0]), r.weight_version) for r in results} == {(1, 1), (2, 2)}
     assert_same_update(tmp, straight, resumed, tol=1e-6)
 
 

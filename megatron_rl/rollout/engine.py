@@ -28,7 +28,8 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
 
 
 def build_engine(settings: EngineSettings) -> WorkerPool:
-    """Validate ``settings``, start the workers and return once all are ready (weight version 0)."""
+    """Validate ``settings``, start the workers and return once all are ready (at weight version
+    ``settings.initial_version``)."""
     specs = worker_specs(settings)
     if settings.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError(
@@ -43,4 +44,5 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
         specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
         start_timeout_s=settings.start_timeout_s, request_timeout_s=settings.request_timeout_s,
         sync_backend=GROUP_BACKENDS[specs[0].device.kind], sync_address=settings.sync_address, remote=remote,
+        initial_version=settings.initial_version,
     )

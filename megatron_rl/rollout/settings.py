@@ -29,6 +29,7 @@ class EngineSettings(RolloutConfig):
     model_dtype: DType = ModelConfig.dtype  # model.dtype: the engines' dtype when rollout.dtype is None
     worker_env: Mapping[str, str] = field(default_factory=dict)  # extra environment of the worker processes
     return_routed_experts: bool = False  # algorithm.routing_replay 'rollout': engines return MoE routes
+    initial_version: int = 0  # the version of the weights at model_path: a resumed checkpoint's step
 
     def __post_init__(self) -> None:
         require_valid(self, "rollout")

@@ -159,7 +159,7 @@ class Supervisor:
     """Starts, watches and restarts the worker processes of one pool."""
 
     def __init__(self, specs: Sequence[WorkerSpec], *, max_restarts: int, start_timeout_s: float,
-                 request_timeout_s: float, remote=None):
+                 request_timeout_s: float, remote=None, version: int = 0):
         self._ctx = mp.get_context("spawn")
         self.remote = remote  # rollout.remote.EngineHub: starts the workers of nodes > 0 (spec.node)
         self.workers = [WorkerHandle(spec) for spec in specs]
@@ -167,7 +167,7 @@ class Supervisor:
         self.start_timeout_s = start_timeout_s
         self.request_timeout_s = request_timeout_s
         self.start_load = None  # what a (re)started process loads (weight_sync.WorkerLoad); None: model_path
-        self.version = 0
+        self.version = version  # of the weights every worker runs (start_load, or model_path at first)
         self.on_restart: Callable[[WorkerHandle], None] | None = None  # e.g. give it broadcast weights
         self.closed = threading.Event()  # set by stop_all: nothing is (re)started afterwards
 

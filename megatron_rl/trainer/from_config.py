@@ -54,11 +54,12 @@ def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerS
                            routing_replay=cfg.algorithm.routing_replay == "rollout")
 
 
-def engine_settings(cfg: Config, *, model_path: str | None = None) -> EngineSettings:
+def engine_settings(cfg: Config, *, model_path: str | None = None, initial_version: int = 0) -> EngineSettings:
     """``rollout`` as it is; ``model_path``: the weights the engines start from (a resumed
-    checkpoint's model; default ``model.hf_path``)."""
+    checkpoint's model; default ``model.hf_path``), at version ``initial_version`` (its step)."""
     return EngineSettings(**vars(cfg.rollout), model_path=model_path or cfg.model.hf_path, model_dtype=cfg.model.dtype,
-                          return_routed_experts=cfg.algorithm.routing_replay == "rollout")
+                          return_routed_experts=cfg.algorithm.routing_replay == "rollout",
+                          initial_version=initial_version)
 
 
 def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:

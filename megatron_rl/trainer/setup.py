@@ -68,14 +68,16 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
     _, layout = start_world(cfg, platform)
     cfg = resolve_resume(cfg)  # trainer.resume_from: auto -> save_dir's last complete checkpoint, or none
     resume = load_run_state(cfg.trainer.resume_from) if cfg.trainer.resume_from else None
+    first = resume.step if resume else 0  # also the version of the weights resumed: versions count steps
 
     def engines(model_path: str) -> RolloutEngine:
-        return NullEngine() if replay else build_engines(cfg, engine_factory, model_path=model_path)
+        if replay:
+            return NullEngine(first)
+        return build_engines(cfg, engine_factory, model_path=model_path, initial_version=first)
 
     replica = build_replica(cfg, layout, engine_for=engines, resume=resume)
     if dist.get_rank() == 0:  # the engine owner probes the engines after each sync (trainer.engine_probe)
         replica.probe = make_probe(cfg, replica.engine, replay=replay is not None)
-    first = resume.step if resume else 0
     if dist.get_rank() != 0:
         return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=replica.snapshot_root)
     if replay:
@@ -96,10 +98,11 @@ def start_world(cfg: Config, platform: str = "auto") -> tuple[Platform, Parallel
 
 
 def build_engines(cfg: Config, engine_factory: EngineFactory | None = None, *,
-                  model_path: str | None = None) -> RolloutEngine:
+                  model_path: str | None = None, initial_version: int = 0) -> RolloutEngine:
     """The engine pool of ``rollout`` (``engine_factory`` replaces ``rollout.build_engine``),
-    starting from ``model_path`` (default ``model.hf_path``)."""
-    return (engine_factory or build_engine)(from_config.engine_settings(cfg, model_path=model_path))
+    starting from ``model_path`` (default ``model.hf_path``) at weight version ``initial_version``."""
+    settings = from_config.engine_settings(cfg, model_path=model_path, initial_version=initial_version)
+    return (engine_factory or build_engine)(settings)
 
 
 def build_replica(cfg: Config, layout: ParallelLayout, *,
