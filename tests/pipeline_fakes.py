@@ -152,18 +152,27 @@ class FakeTrainer:
             raise ValueError("optimizer exploded")
         self.syncs.append(version)
         if self.lead is not None:
-            self._wait_for_batch(version - 1 + self.lead[0])
+            lead, batches = self.lead
+            hold_until_ahead(self.engine.results, version, lead=lead, batches=batches, timeout_s=30.0)
         self.engine.load_weights(SnapshotUpdate(f"/snapshots/{version}"), version)
         return version
 
-    def _wait_for_batch(self, step: int, timeout_s: float = 30.0) -> None:
-        if step >= self.lead[1]:
-            return
-        give_up = time.monotonic() + timeout_s
-        while not any(r.request_id.startswith(f"{step}/") for r in list(self.engine.results)):
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"batch {step} never started: the producer did not run {self.lead[0]} ahead")
-            time.sleep(0.001)
+
+def hold_until_ahead(results: list, version: int, *, lead: int, batches: int, count: int = 1,
+                     timeout_s: float) -> None:
+    """Before an engine moves from version v-1 to ``version`` = v: block until ``results`` (appended
+    to by the producer's thread) hold ``count`` results of batch v-1+``lead``, all sampled at v-1,
+    so stale mode runs exactly ``lead`` batches ahead however the cores are shared. Nothing to wait
+    for once that batch is past the run's ``batches``; ``TimeoutError`` naming it after ``timeout_s``."""
+    ahead = version - 1 + lead
+    if ahead >= batches:
+        return
+    give_up = time.monotonic() + timeout_s
+    while sum(int(r.request_id.split("/")[0]) == ahead for r in list(results)) < count:
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"fewer than {count} results of batch {ahead} after {timeout_s:.0f} s at version "
+                               f"{version - 1}: the producer did not run {lead} batches ahead")
+        time.sleep(0.002)
 
 
 def train_one_step(pipe: Pipeline, trainer) -> BatchSummary:

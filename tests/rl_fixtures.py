@@ -92,17 +92,10 @@ class LeadHoldingEngine(RecordingEngine):
         self.lead, self.batches, self.results, self.timeout_s = lead, batches, results, timeout_s
 
     def load_weights(self, update, version: int) -> None:
-        import time
+        from tests.pipeline_fakes import hold_until_ahead
 
-        ahead = version - 1 + self.lead
-        if version >= 1 and ahead < self.batches:
-            give_up = time.monotonic() + self.timeout_s
-            while sum(int(r.request_id.split("/")[0]) == ahead for r in list(RECORDED)) < self.results:
-                if time.monotonic() > give_up:
-                    raise RuntimeError(f"fewer than {self.results} results of batch {ahead} within "
-                                       f"{self.timeout_s:.0f} s at θ_{version - 1}: the producer did not run "
-                                       f"{self.lead} batches ahead")
-                time.sleep(0.01)
+        hold_until_ahead(RECORDED, version, lead=self.lead, batches=self.batches, count=self.results,
+                         timeout_s=self.timeout_s)
         super().load_weights(update, version)
 
 
