@@ -18,12 +18,16 @@ rank 0 needs no address of any other node:
   worker, unchanged protocol.
 
 Every connection is authenticated with ``engine_key`` (HMAC challenge of
-``multiprocessing.connection``); set ``MEGATRON_RL_ENGINE_KEY`` on a shared network.
+``multiprocessing.connection``) before anything is unpickled. The key is the secret
+``MEGATRON_RL_ENGINE_KEY``, the same on every node; it is required whenever the hub's address is
+not loopback: a key derived from the address would be known to whoever can reach the hub, who
+could then send rank 0 a pickle to load. On loopback (one machine) a derived key is allowed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import itertools
 import os
 import socket
@@ -71,10 +75,33 @@ class Exited:
     exitcode: int | None
 
 
+KEY_VAR = "MEGATRON_RL_ENGINE_KEY"
+KEY_HOWTO = (f"export {KEY_VAR}=$(python -c 'import secrets;print(secrets.token_hex(32))') once, and give "
+             "every node (rank 0 and each engine host) that same value")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only: ``localhost``, 127.0.0.0/8 or ``::1``."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def engine_key(host: str, port: int) -> bytes:
-    """The connections' authentication key: ``MEGATRON_RL_ENGINE_KEY``, else one derived from the
-    hub's address (it keeps stray clients out, it is no secret)."""
-    text = os.environ.get("MEGATRON_RL_ENGINE_KEY") or f"megatron_rl-engines:{host}:{port}"
+    """The connections' authentication key: ``MEGATRON_RL_ENGINE_KEY``; without it, on a loopback
+    hub only, one derived from the address (it keeps stray local clients out, it is no secret).
+    ``ValueError`` for a hub on any other address without the key (module doc)."""
+    secret = os.environ.get(KEY_VAR, "").strip()
+    if not secret and not is_loopback(host):
+        raise ValueError(
+            f"remote engines: the engine hub at {host}:{port} (rollout.sync_address / rollout.engine_port, or "
+            f"serve --connect) is not a loopback address, and {KEY_VAR} is not set, so anyone who can reach it "
+            f"could make rank 0 load their data. Set a secret key: {KEY_HOWTO}")
+    text = secret or f"megatron_rl-engines:{host}:{port}"
     return hashlib.sha256(text.encode()).digest()
 
 

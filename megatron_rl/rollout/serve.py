@@ -110,6 +110,7 @@ def serve(specs: list[WorkerSpec], hub: tuple[str, int], *, timeout_s: float, wr
     if not specs:
         print("engine host: no engine of rollout.engine_nodes is on this node; nothing to serve", file=sys.stderr)
         return 0
+    engine_key(*hub)  # ValueError here, not in each keeper's thread, when a non-loopback hub has no key
     errors: list[BaseException] = []
 
     def keep(spec: WorkerSpec) -> None:
