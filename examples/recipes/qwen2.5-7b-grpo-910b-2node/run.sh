@@ -5,6 +5,8 @@
 # Each node trains on 4 NPUs (ENGINE_DEVICES=4,4: its engines take NPUs 4-7); node 1 also runs its
 # engine host. The engines reach rank 0 (and its weight broadcast) at MASTER_ADDR, given to
 # rollout.sync_address (an IP address).
+# Every node needs the same secret MEGATRON_RL_ENGINE_KEY (README, "Engines on every node"):
+#   export MEGATRON_RL_ENGINE_KEY=$(python -c 'import secrets;print(secrets.token_hex(32))')
 set -euo pipefail
 export PLATFORM=${PLATFORM:-npu} NNODES=${NNODES:-2} DEVICES_PER_NODE=${DEVICES_PER_NODE:-8} ENGINE_DEVICES=${ENGINE_DEVICES:-4,4}
 exec "$(dirname "$0")/../../launch.sh" examples/recipes/qwen2.5-7b-grpo-910b-2node/config.yaml \
