@@ -144,6 +144,19 @@ def check_multiturn_budget(cfg: Config) -> Found:
                f"raise it to >= {e.max_total_tokens}")
 
 
+def check_multiturn_routing_replay(cfg: Config) -> Found:
+    """Routing replay needs the engine's routes of every packed token; a multi-turn trajectory
+    interleaves observation tokens the engine never routed, and its turns' routes are not joined
+    into one, so the first micro-batch would fail."""
+    kind = cfg.environment.kind
+    if cfg.algorithm.routing_replay == "rollout" and kind != "none":
+        yield "algorithm.routing_replay", (
+            f"'rollout' cannot be combined with multi-turn rollouts (environment.kind {kind!r}): the engine "
+            "returns routes per turn, not for a whole trajectory with its observation tokens. Set "
+            "algorithm.routing_replay to 'none' (the trainer's routers choose), or "
+            "environment.kind to 'none' (single-turn)")
+
+
 def check_temperature(cfg: Config) -> Found:
     """Log-probs must be computed at the temperature the responses were sampled at."""
     train_t, sample_t = cfg.algorithm.temperature, cfg.rollout.sampling.temperature
@@ -160,5 +173,6 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_overlong,
     check_micro_batch_budget,
     check_multiturn_budget,
+    check_multiturn_routing_replay,
     check_temperature,
 )
