@@ -24,7 +24,7 @@ import torch
 
 NAME = "megatron_rl_emulated"
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("device.cpp", "ops.cpp", "backend.cpp")
+SOURCES = ("device.cpp", "ops.cpp", "rules.cpp", "backend.cpp")
 
 
 def source_hash() -> str:

@@ -115,6 +115,12 @@ def max_memory_allocated(device: torch.device | str | int | None = None) -> int:
     return _C.max_memory_allocated(_index(device))
 
 
+def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, int]:
+    """(free, total) bytes of the device, as ``torch.cuda.mem_get_info``: total is the active
+    profile's capacity (the host's memory when unlimited)."""
+    return tuple(_C.mem_get_info(_index(device)))
+
+
 def reset_peak_memory_stats(device: torch.device | str | int | None = None) -> None:
     _C.reset_peak_memory(_index(device))
 

@@ -12,10 +12,12 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unistd.h>
 #include <unordered_set>
 
 namespace emulated {
@@ -26,15 +28,37 @@ thread_local c10::DeviceIndex t_device = 0;  // per thread, as CUDA's current de
 
 std::array<std::atomic<int64_t>, kMaxDevices> g_live{};
 std::array<std::atomic<int64_t>, kMaxDevices> g_peak{};
-std::atomic<int64_t> g_h2d{0}, g_d2h{0}, g_h2d_bytes{0}, g_d2h_bytes{0};
+std::atomic<int64_t> g_capacity{-1};  // bytes per device, -1: unlimited
+std::atomic<int64_t> g_h2d{0}, g_d2h{0}, g_h2d_bytes{0}, g_d2h_bytes{0}, g_syncs{0};
 
 void check_index(c10::DeviceIndex index) {
   TORCH_CHECK(index >= 0 && index < device_count(), "emulated device index ", int(index),
               " out of range: MEGATRON_RL_EMULATED_DEVICES gives ", int(device_count()), " devices");
 }
 
+// As c10's CUDA allocator prints sizes: "512 bytes", "20.00 MiB", "2.00 GiB".
+std::string format_size(int64_t bytes) {
+  char text[32];
+  if (bytes < 1024) {
+    std::snprintf(text, sizeof(text), "%lld bytes", static_cast<long long>(bytes));
+  } else {
+    const char* unit = bytes < (1 << 20) ? "KiB" : bytes < (1 << 30) ? "MiB" : "GiB";
+    double scale = bytes < (1 << 20) ? 1 << 10 : bytes < (1 << 30) ? 1 << 20 : 1 << 30;
+    std::snprintf(text, sizeof(text), "%.2f %s", static_cast<double>(bytes) / scale, unit);
+  }
+  return text;
+}
+
 void account(c10::DeviceIndex index, int64_t delta) {
   int64_t now = g_live[index].fetch_add(delta) + delta;
+  int64_t capacity = g_capacity.load(std::memory_order_relaxed);
+  if (delta > 0 && capacity >= 0 && now > capacity) {
+    g_live[index].fetch_sub(delta);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, device_name(), " out of memory. Tried to allocate ", format_size(delta),
+                     " (emulated:", int(index), "; ", format_size(capacity), " total capacity; ",
+                     format_size(now - delta), " already allocated). The capacity is the profile's or "
+                     "MEGATRON_RL_EMULATED_MEMORY_GB (GiB per device)");
+  }
   int64_t peak = g_peak[index].load();
   while (now > peak && !g_peak[index].compare_exchange_weak(peak, now)) {
   }
@@ -57,8 +81,8 @@ void free_block(void* ctx) {
 
 c10::DataPtr allocate_on(c10::DeviceIndex index, size_t nbytes) {
   check_index(index);
+  account(index, static_cast<int64_t>(nbytes));  // may raise OutOfMemoryError: before the host allocation
   void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-  account(index, static_cast<int64_t>(nbytes));
   auto* block = new Block{data, static_cast<int64_t>(nbytes), index, {}};
   return {data, block, &free_block, c10::Device(kDevice, index)};
 }
@@ -206,6 +230,21 @@ void reset_peak_memory(c10::DeviceIndex index) {
   g_peak[index].store(g_live[index].load());
 }
 
+void set_memory_capacity(int64_t bytes) { g_capacity.store(bytes < 0 ? -1 : bytes); }
+
+int64_t memory_capacity() { return g_capacity.load(); }
+
+int64_t total_memory() {
+  int64_t capacity = g_capacity.load();
+  if (capacity >= 0) return capacity;
+  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
+}
+
+void count_sync() {
+  g_syncs.fetch_add(1, std::memory_order_relaxed);
+  count_d2h(8);  // the size (a count) read back to size the output
+}
+
 void count_h2d(int64_t bytes) {
   g_h2d.fetch_add(1, std::memory_order_relaxed);
   g_h2d_bytes.fetch_add(bytes, std::memory_order_relaxed);
@@ -216,13 +255,16 @@ void count_d2h(int64_t bytes) {
   g_d2h_bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
-Transfers transfers() { return {g_h2d.load(), g_d2h.load(), g_h2d_bytes.load(), g_d2h_bytes.load()}; }
+Transfers transfers() {
+  return {g_h2d.load(), g_d2h.load(), g_h2d_bytes.load(), g_d2h_bytes.load(), g_syncs.load()};
+}
 
 void reset_transfers() {
   g_h2d = 0;
   g_d2h = 0;
   g_h2d_bytes = 0;
   g_d2h_bytes = 0;
+  g_syncs = 0;
 }
 
 at::Tensor cpu_alias(const at::Tensor& device_tensor) {

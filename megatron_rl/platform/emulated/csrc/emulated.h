@@ -8,6 +8,9 @@
 #include <c10/core/Storage.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace emulated {
 
@@ -23,12 +26,20 @@ int64_t memory_allocated(c10::DeviceIndex index);
 int64_t max_memory_allocated(c10::DeviceIndex index);
 void reset_peak_memory(c10::DeviceIndex index);
 
-// Host<->device copies (a device->host scalar read counts as a d2h copy).
+// Device memory capacity per device in bytes (-1: unlimited); an allocation past it raises
+// torch.OutOfMemoryError. `total` for mem_get_info: the capacity, or the host's memory.
+void set_memory_capacity(int64_t bytes);
+int64_t memory_capacity();
+int64_t total_memory();
+
+// Host<->device copies (a device->host scalar read counts as a d2h copy); `syncs`: the reads of
+// a data-dependent size (nonzero, unique, masked index, ...), also counted as d2h.
 struct Transfers {
-  int64_t h2d = 0, d2h = 0, h2d_bytes = 0, d2h_bytes = 0;
+  int64_t h2d = 0, d2h = 0, h2d_bytes = 0, d2h_bytes = 0, syncs = 0;
 };
 void count_h2d(int64_t bytes);
 void count_d2h(int64_t bytes);
+void count_sync();
 Transfers transfers();
 void reset_transfers();
 
@@ -41,6 +52,24 @@ c10::Storage wrap_host_storage(const c10::Storage& host, c10::DeviceIndex index)
 at::Tensor device_tensor_on(const c10::Storage& storage, const at::Tensor& meta);
 // Grow (or shrink) a device storage in place to `nbytes`, keeping its contents.
 void resize_storage_bytes(c10::StorageImpl* storage, size_t nbytes);
+
+// ---- the active profile's rules (rules.cpp; profiles.py is the table) ----
+// Bit i set: ScalarType i is not computed on the device (0 under the cuda profile).
+uint64_t refused_compute_mask();
+void set_compute_rules(const std::string& profile, const std::string& device_name,
+                       const std::vector<c10::ScalarType>& refused, const std::string& fix);
+// "NPU" / "CUDA": how out-of-memory errors name the device.
+std::string device_name();
+// Raise: `op` would compute a refused dtype (`role`: "argument 'self'", "its result") on `device`.
+[[noreturn]] void refuse_compute(const std::string& op, c10::Device device, c10::ScalarType type,
+                                 const std::string& role);
+// Per collective group: the accepted dtypes; collectives and reduce ops that raise; the
+// contiguity message (empty: no check).
+void set_collective_rules(const std::vector<std::pair<std::vector<std::string>, std::vector<c10::ScalarType>>>& groups,
+                          const std::vector<std::string>& missing, const std::vector<int64_t>& missing_reduce_ops,
+                          const std::string& contiguity);
+// Raise if `collective` on `tensors` (with `reduce_op`, -1 for none) breaks the active rules.
+void check_collective(const char* collective, const std::vector<at::Tensor>& tensors, int64_t reduce_op);
 
 // Route structured ops' functional / in-place variants straight to the CPU fallback; returns
 // how many ops were registered (idempotent).
