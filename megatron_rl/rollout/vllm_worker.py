@@ -105,20 +105,30 @@ class VLLMBackend:
             self._llm.apply_model(refresh_tied_lm_head)
         self._llm.reset_prefix_cache()
 
+    @property
+    def streams_weights(self) -> bool:
+        """TP > 1: ``load_tensors`` copies each tensor to host before taking the next, so the
+        receiver reuses two device buffers (``weight_sync.reload_files``)."""
+        return self._tp > 1
+
     def _reload_from_file(self, named_tensors) -> None:
         """TP > 1: each TP rank is a process of vLLM's ``mp`` executor and RPC arguments are
-        serialised (tensors would become lists), so the tensors are written once to a
-        safetensors file in shared memory and every TP rank reloads from that path: each reads
-        the full HF tensors (mapped, not copied) and vLLM's weight loaders keep the rank's shard."""
+        serialised (tensors would become lists), so every TP rank reloads from a directory of
+        HF safetensors: the snapshot's own (``named_tensors.directory``: nothing is rewritten),
+        or files in shared memory the tensors are streamed into, one host copy at a time (this
+        process's device holds the receiver's two buffers, never the model). Each TP rank maps
+        the full tensors and vLLM's weight loaders keep the rank's shard."""
         import tempfile
 
-        from safetensors.torch import save_file
+        from megatron_rl.weight_sync.reload_files import write_shards
 
+        directory = getattr(named_tensors, "directory", None)
+        if directory is not None:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+            return
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryDirectory(prefix="megatron_rl-engine-", dir=base) as tmp:
-            tensors = {name: t.contiguous() for name, t in named_tensors}
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            del tensors
+            write_shards(named_tensors, tmp)
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:

@@ -47,6 +47,17 @@ class Sender:
         return SyncStats(nbytes)
 
 
+@dataclass(frozen=True)
+class SnapshotTensors:
+    """The tensors of the snapshot ``directory``, iterated as ``(name, tensor)``; a backend
+    that reloads from files (vLLM at TP > 1) reads ``directory`` itself instead of rewriting them."""
+
+    directory: str
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return read_snapshot(self.directory)
+
+
 def read_snapshot(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every safetensors file in ``path`` (mapped, read lazily)."""
     from safetensors import safe_open
@@ -58,9 +69,9 @@ def read_snapshot(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class Receiver:
-    """Worker side: stream the snapshot's tensors into the backend."""
+    """Worker side: stream the snapshot's tensors into the backend (or have it reload the directory)."""
 
     def receive(self, load: SnapshotUpdate, backend: TensorLoader) -> None:
         if not Path(load.path).is_dir():
             raise FileNotFoundError(f"weight snapshot {load.path!r} is not a directory on this machine")
-        backend.load_tensors(read_snapshot(load.path))
+        backend.load_tensors(SnapshotTensors(load.path))
