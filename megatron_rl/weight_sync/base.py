@@ -49,6 +49,12 @@ class StagePlace:
     sender: bool = True  # TP rank 0 of its stage: the one that sends the stage's tensors
     dp_rank: int = 0  # data-parallel replica (one writer per stage for shared memory)
 
+    @property
+    def sends(self) -> bool:
+        """The rank that sends (or writes) its stage: TP rank 0 of DP replica 0. Only it holds
+        the stage's full tensors (``WeightSource.export`` returns [] on every other rank)."""
+        return self.sender and self.dp_rank == 0
+
 
 class Channel(Protocol):
     """Leader -> ranks of one replica (``trainer.rl_step.ReplicaChannel``): a host group."""
@@ -66,7 +72,8 @@ class WeightSource(Protocol):
     """The policy as a sender reads it (``trainer.policy_weights``, or fixed tensors)."""
 
     def export(self) -> list[tuple[str, torch.Tensor]]:
-        """This stage's HF-named full tensors (collective over the stage's TP group)."""
+        """This stage's HF-named full tensors on the rank that sends them (``StagePlace.sends``;
+        a rank-less source: everywhere), [] elsewhere (collective over the stage's TP group)."""
         ...
 
     def save(self, directory: Path) -> None:

@@ -142,7 +142,7 @@ class Sender:
         self.setup = setup
         place = setup.place
         self._writer = (SharedWeightsWriter(Path(setup.scratch) / f"weights-stage{place.stage}.bin")
-                        if place.sender and place.dp_rank == 0 else None)  # rewritten in place every sync
+                        if place.sends else None)  # rewritten in place every sync
 
     def sync(self, version: int) -> SyncStats:
         s = self.setup
