@@ -59,6 +59,11 @@ to the sums and maxima, and count in the means' token total), ``n_tokens`` the t
 (only that one is logged when it is 0: no measurement is not a perfect one), and the sequence
 weights w = exp(Σ_t δ_t) of the measured sequences: ``seq_weight_median``, ``seq_weight_min`` and
 ``seq_weight_low_fraction`` (the share below 0.1).
+
+Device rules (the 910B's): everything here is fp32 on the device (CANN computes no float64; k3
+keeps its precision through ``k3_of_log_ratio``), and no result has a data-dependent shape (a
+boolean-mask index is a hidden device -> host sync per micro-batch): the per-sequence weights
+travel with a mask of the measured sequences and are selected on the host, in ``to_log``.
 """
 
 from __future__ import annotations
@@ -102,12 +107,14 @@ class MismatchMetrics:
     seq_ratio_max: torch.Tensor  # max over sequences of exp(Σ_t δ_t)
     n_masked: torch.Tensor  # counted tokens whose weight the correction set to 0
     n_nonfinite: torch.Tensor  # counted tokens whose behaviour log-prob is NaN / ±inf
-    seq_log_weights: torch.Tensor  # [S] Σ_t δ_t of each measured sequence (merge concatenates)
+    seq_log_weights: torch.Tensor  # [S] Σ_t δ_t of each sequence, 0 if unmeasured (merge concatenates)
+    seq_measured: torch.Tensor  # [S] bool: the sequence has a measured token (merge concatenates)
     # counted tokens (measured or stale) that δ masking dropped; None when δ is off
     n_delta_dropped: torch.Tensor | None = None
 
     SUM_FIELDS = ("n_tokens", "abs_diff_sum", "kl_k3_sum", "n_masked", "n_nonfinite")
     MAX_FIELDS = ("abs_diff_max", "seq_ratio_max")
+    CAT_FIELDS = ("seq_log_weights", "seq_measured")
     SEQUENCE_LOW = 0.1  # seq_weight_low_fraction: sequences whose weight is below this
 
     def merge(self, other: MismatchMetrics) -> MismatchMetrics:
@@ -116,7 +123,7 @@ class MismatchMetrics:
             a, b = getattr(self, name), getattr(other, name)
             if a is None or b is None:  # n_delta_dropped: δ off on one side counts 0 there
                 return b if a is None else a
-            if name == "seq_log_weights":
+            if name in self.CAT_FIELDS:
                 return torch.cat([a, b.to(a.device)])
             return (torch.maximum if name in self.MAX_FIELDS else torch.add)(a, b)
 
@@ -129,7 +136,8 @@ class MismatchMetrics:
         delta = {} if self.n_delta_dropped is None else {prefix + "delta_dropped_tokens": float(self.n_delta_dropped)}
         if n <= 0:
             return {prefix + "n_tokens": 0.0, **delta}
-        weights = torch.exp(self.seq_log_weights.detach().double().cpu())
+        host = self.seq_log_weights.detach().cpu().double()  # fp64 on the host only
+        weights = torch.exp(host[self.seq_measured.detach().cpu()])
         out = {
             "n_tokens": n,
             "logprob_abs_diff_mean": float(self.abs_diff_sum) / n,
@@ -247,6 +255,23 @@ def rollout_correction(
     return Correction(weight=weight, dropped=dropped, metrics=metrics)
 
 
+# |δ| below this: k3 from its Taylor series (Horner, a few fp32 ulps); the truncation after δ¹²
+# leaves a relative error ≤ 2·|δ|¹¹/13! < 4e-10 there, and above it expm1(δ) − δ cancels at
+# most ~2 bits (k3 ≥ 0.36·|expm1(δ)|): both well inside 1e-6 of the exact value.
+_K3_SERIES_BELOW = 1.0
+_K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 13))  # 1/2!, 1/3!, …, 1/12!
+
+
+def k3_of_log_ratio(delta: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 = exp(δ) − 1 − δ of a log-ratio δ, elementwise in ``delta``'s dtype, accurate
+    to a few ulps in fp32: the direct form cancels (k3 ≈ δ²/2 vanishes against δ for tiny δ), so
+    small |δ| use the series δ² (1/2! + δ/3! + … + δ¹⁰/12!)."""
+    series = torch.full_like(delta, _K3_SERIES[-1])
+    for coefficient in reversed(_K3_SERIES[:-1]):
+        series = series * delta + coefficient
+    return torch.where(delta.abs() < _K3_SERIES_BELOW, series * delta.square(), torch.expm1(delta) - delta)
+
+
 @torch.no_grad()
 def mismatch_metrics(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
                      dropped: torch.Tensor | None = None) -> MismatchMetrics:
@@ -254,19 +279,21 @@ def mismatch_metrics(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask:
     counted = mask.bool()
     delta_t = log_ratio(trainer_logp, behav_logp, mask)
     zero = torch.zeros((), dtype=torch.float32, device=delta_t.device)
-    d64 = delta_t.double()  # k3 ≈ δ²/2 vanishes in fp32 rounding for fp32-exact engines
-    k3 = torch.expm1(d64) - d64  # Schulman's k3 of KL(π_behav ‖ π_trainer), r = π_trainer / π_behav
-    seq_ratio = torch.exp(delta_t.sum(dim=-1))
+    delta_t = delta_t.float()
+    k3 = k3_of_log_ratio(delta_t)  # Schulman's k3 of KL(π_behav ‖ π_trainer), r = π_trainer / π_behav
+    seq_sum = delta_t.sum(dim=-1)
+    seq_ratio = torch.exp(seq_sum)
     has_tokens = counted.any(dim=-1)
     return MismatchMetrics(
         n_tokens=counted.sum().float(),
-        abs_diff_sum=d64.abs().sum().float(),
+        abs_diff_sum=delta_t.abs().sum(),
         abs_diff_max=delta_t.abs().max().float() if delta_t.numel() else zero,
         kl_k3_sum=torch.where(counted, k3, 0.0).sum().float(),
         seq_ratio_max=torch.where(has_tokens, seq_ratio, 0.0).max().float() if has_tokens.numel() else zero,
         n_masked=zero if dropped is None else (dropped & counted).sum().float(),
         n_nonfinite=nonfinite_behav(behav_logp, mask).sum().float(),
-        seq_log_weights=delta_t.sum(dim=-1)[has_tokens].float(),
+        seq_log_weights=torch.where(has_tokens, seq_sum, 0.0),  # no mask index: a host sync
+        seq_measured=has_tokens,
     )
 
 

@@ -116,18 +116,20 @@ class LossOutput:
 
 
 def loss_denominator(settings: LossSettings, mask: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's additive share of the batch denominator (0-dim float64).
+    """This micro-batch's additive share of the batch denominator: a 0-dim int64 count (tokens or
+    sequences), exact at any batch size (fp32 is exact only to 2²⁴), on ``mask``'s device.
 
     ``mask``: ``[B, L]``. Sum the results over all micro-batches of the batch and all DP ranks
-    (all-reduce SUM), then pass the total to every ``policy_loss`` call of that batch.
+    (all-reduce SUM: int64 is among HCCL's all-reduce types, fp64 is not on a 910B), then pass
+    the total to every ``policy_loss`` call of that batch.
     """
     counted = mask.bool()
-    n_seqs = counted.any(dim=-1).sum().to(torch.float64)
+    n_seqs = counted.any(dim=-1).sum(dtype=torch.int64)
     if settings.kind == "grpo":
         return n_seqs
     if settings.kind == "dr_grpo":
         return n_seqs * settings.max_response_len
-    return counted.sum().to(torch.float64)
+    return counted.sum(dtype=torch.int64)
 
 
 def policy_loss(

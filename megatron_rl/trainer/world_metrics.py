@@ -45,13 +45,18 @@ def world_merged(local: _M | None, *, counts: bool) -> _M | None:
 
 def to_host(metrics: _M) -> _M:
     """A copy of a metrics dataclass whose tensor fields (nested dataclasses included) are host
-    tensors: the 0-dim ones moved in one device -> host copy, each longer one in one more."""
-    tensors = _tensors(metrics)
+    tensors, each of its own dtype: the 0-dim ones moved in one device -> host copy per dtype
+    (stacked on the device in their own dtype, never widened there: no fp64 on a 910B), each
+    longer one in one more."""
+    tensors = [t.detach() for t in _tensors(metrics)]
     if not tensors:
         return metrics
-    scalars = [t for t in tensors if t.dim() == 0]
-    moved = iter(torch.stack([t.detach().to(torch.float64) for t in scalars]).cpu().unbind() if scalars else ())
-    values = iter([next(moved) if t.dim() == 0 else t.detach().cpu() for t in tensors])
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.dim() == 0:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    moved = {dtype: iter(torch.stack(group).cpu().unbind()) for dtype, group in by_dtype.items()}
+    values = iter([next(moved[t.dtype]) if t.dim() == 0 else t.cpu() for t in tensors])
     return _rebuild(metrics, values)
 
 
