@@ -4,7 +4,9 @@ Versions come from the installed distributions' metadata (nothing heavy is impor
 import alone takes seconds and may fail on a broken install, which the ``rl_vllm`` check then
 reports). The device is looked up through its torch module (``torch.cuda``, ``torch.npu``
 after ``import torch_npu``, the emulated device's module after ``setup_platform``). It passes
-when the requested device is visible.
+when the requested device is visible. On ``--device npu`` without a working adaptor (torch_npu
+not installed, or installed without CANN's libraries) it fails first, saying what to install or
+source, and the runner skips the other checks (each would fail the same way).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ PACKAGES = {
     "transformers": "transformers", "flash_attn": "flash_attn", "mindspeed": "mindspeed",
 }
 PREFERRED = {"megatron": "megatron-core"}  # several distributions install `megatron`
+CANN_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"  # CANN's default install location
 
 
 def versions() -> dict[str, str | None]:
@@ -40,6 +43,20 @@ def versions() -> dict[str, str | None]:
         name = dist.lower().replace("_", "-")
         out[key] = metadata.version(dist) + ("" if name == key.replace("_", "-") else f" ({dist})")
     return out
+
+
+def npu_adaptor_problem() -> str | None:
+    """Why torch_npu cannot serve as the NPU adaptor here, with what to install / source (None: it can)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return ("torch_npu is not installed: pip install -e '.[npu]' (torch_npu for this torch, vllm-ascend) "
+                f"on a machine with Ascend's CANN toolkit, after `source {CANN_ENV}`")
+    try:
+        import torch_npu  # noqa: F401
+    except (ImportError, OSError) as exc:  # CANN's shared libraries (libascendcl, libhccl) not found
+        return (f"torch_npu is installed but does not import ({type(exc).__name__}: {exc}): CANN missing or not "
+                f"on the library path; `source {CANN_ENV}` (or your CANN install's set_env.sh) and check that "
+                "torch_npu matches torch and CANN")
+    return None
 
 
 def toolkit_versions(device: str) -> dict[str, str | None]:
@@ -86,30 +103,35 @@ def device_report(device: str) -> dict:
         return {**cpu, "type": "cpu", "count": 1}
     if device == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu)
-    if device == "emulated":
-        from megatron_rl.platform import setup_platform
+    if device in ("emulated", "emulated-npu"):
+        from megatron_rl.platform import emulated, setup_platform
 
-        device = setup_platform("emulated").device.type
+        name = device
+        device = setup_platform(name).device.type
+        return {**cpu, "type": device, "profile": emulated.current_profile(), **accelerator(device)}
     return {**cpu, "type": device, **accelerator(device)}
 
 
-def emulated_unavailable() -> str | None:
-    """Why the emulated device cannot be set up in this checkout (None: it can)."""
+def emulated_unavailable(name: str) -> str | None:
+    """Why the emulated device (platform ``name``) cannot be set up in this checkout (None: it can)."""
     if importlib.util.find_spec("megatron_rl.platform.emulated") is None:
         return "not available: the emulated device (megatron_rl/platform/emulated) is not in this checkout yet"
     from megatron_rl.platform import setup_platform
 
     try:
-        setup_platform("emulated")
-    except (ValueError, ImportError) as exc:  # an unknown platform name, or its package incomplete
-        return f"not available: setup_platform('emulated') refused ({type(exc).__name__}: {exc})"
+        setup_platform(name)
+    except (ValueError, ImportError, AttributeError) as exc:  # unknown name, package or profile incomplete
+        return f"not available: setup_platform({name!r}) refused ({type(exc).__name__}: {exc})"
     return None
 
 
 def check_environment(opts: CheckOptions) -> dict:
     """Versions and the device; ``device_available: false`` tells the runner to skip the rest."""
-    figures = {"python": host.python_version(), "versions": versions(), "toolkit": toolkit_versions(opts.device)}
-    if opts.device == "emulated" and (reason := emulated_unavailable()):
+    figures: dict = {"python": host.python_version(), "versions": versions()}
+    if opts.device == "npu" and (problem := npu_adaptor_problem()):
+        return judged({**figures, "device_available": False}, [problem])
+    figures["toolkit"] = toolkit_versions(opts.device)
+    if opts.emulated and (reason := emulated_unavailable(opts.device)):
         return skipped(reason, **figures, device_available=False)
     figures["device"] = device_report(opts.device)
     found = figures["device"]["count"]

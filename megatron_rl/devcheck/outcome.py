@@ -14,16 +14,28 @@ from pathlib import Path
 class CheckOptions:
     """The parts of the command line a check reads; travels to the child process as JSON."""
 
-    device: str  # cuda | npu | cpu | emulated
+    device: str  # cuda | npu | cpu | emulated | emulated-npu
     quick: bool  # tiny attention shapes (always on cpu / emulated)
     workdir: str  # models, configs, checkpoints and logs of this run
+    overrides: tuple[str, ...] = ()  # --set a.b=c: applied to every RL check's YAML, in order
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> CheckOptions:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**{**fields, "overrides": tuple(fields.get("overrides", ()))})
+
+    @property
+    def emulated(self) -> bool:
+        """The emulated device, under either profile (``emulated``: CUDA's rules; ``emulated-npu``: the 910B's)."""
+        return self.device in ("emulated", "emulated-npu")
+
+    @property
+    def accelerator(self) -> bool:
+        """A real GPU or NPU (devices to count, engines pinned to them)."""
+        return self.device in ("cuda", "npu")
 
     @property
     def work(self) -> Path:

