@@ -17,6 +17,17 @@ mini-batch, to the replica with the fewest packed tokens so far this step
 (``dispatch.TokenRouter``), and micro-batches are packed per replica (``MicroBatch.replica``).
 Which replica trains a group changes only where its gradient is summed, not the sum.
 
+Expert parallelism (``lockstep``, ``parallel.ep`` > 1): the EP groups span DP replicas and every
+MoE layer runs EP collectives (megatron's token dispatcher), so the replicas must run the same
+number of forward/backward passes per optimizer step, in the same order: a replica with one more
+micro-batch would wait inside an MoE layer for peers already in the optimizer step. The
+micro-batches then go out in rounds, one per replica (replica 0, rank 0's own, last), and a
+replica short of micro-batches at the end of a mini-batch gets padding ones
+(``padding_micro_batch``: one sample cut to two tokens, loss mask 0): they run the MoE layers'
+collectives and add exactly zero to the loss, its denominator and every gradient. A round goes
+out only when every replica has its micro-batch, so no replica waits inside a collective for
+groups still being generated.
+
 The caller iterates ``StepBatch.mini_batches()`` in order and each mini-batch to its end
 before the next; a mini-batch whose groups were all dropped (dynamic sampling) yields no
 micro-batch.
@@ -24,7 +35,10 @@ micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
+
+import torch
 
 from megatron_rl.pipeline.dispatch import TokenRouter
 from megatron_rl.pipeline.records import (
@@ -44,7 +58,9 @@ class StepBatch:
 
     def __init__(self, *, start: BatchStart, policy_version: int, num_mini_batches: int, token_budget: int,
                  streamed: bool, flush_when_idle: bool, pop: Callable[[], QueueItem],
-                 queue_empty: Callable[[], bool], replicas: int = 1) -> None:
+                 queue_empty: Callable[[], bool], replicas: int = 1, lockstep: bool = False) -> None:
+        """``replicas``: DP replicas the groups are routed to; ``lockstep``: every replica trains
+        the same number of micro-batches per mini-batch (expert parallelism; the module doc)."""
         m, n = num_mini_batches, start.num_prompts
         if n % m:
             raise ValueError(f"step {start.step}: {n} prompts cannot be split into trainer.mini_batches={m} "
@@ -61,6 +77,9 @@ class StepBatch:
         self.overlapped_micro_batches = 0  # handed out while groups of the step were still generating
         self._next_mini = 0
         self.router = TokenRouter(replicas)  # which DP replica trains each group
+        self.lockstep = lockstep and replicas > 1
+        self._held: list[list[MicroBatch]] = [[] for _ in range(replicas)]  # lockstep: cut, not yet sent
+        self.padding_micro_batches = 0  # lockstep: padding handed out this step
 
     def mini_batches(self) -> Iterator[Iterator[MicroBatch]]:
         """``num_mini_batches`` iterators of micro-batches, in prompt order (see the module doc)."""
@@ -108,7 +127,8 @@ class StepBatch:
             routed[self.router.assign(group.num_packed_tokens)].append(group)
         for r in reversed(range(self.router.replicas)):  # replica 0 (rank 0's own) last: the others start first
             for chunk in chunk_by_tokens(routed[r], self._budget):
-                yield self._micro_batch(chunk, j, r)
+                yield from self._out(self._micro_batch(chunk, j, r))
+        yield from self._end_mini()
         self._next_mini = j + 1
 
     def _streamed_mini(self, j: int) -> Iterator[MicroBatch]:
@@ -125,12 +145,13 @@ class StepBatch:
             r = self.router.assign(group.num_packed_tokens)
             for part in split_group(group, self._budget):
                 if bufs[r] and sum(g.num_packed_tokens for g in bufs[r]) + part.num_packed_tokens > self._budget:
-                    yield self._micro_batch(bufs[r], j, r)
+                    yield from self._out(self._micro_batch(bufs[r], j, r))
                     bufs[r] = []
                 bufs[r].append(part)
             if not pending and self._flush_when_idle and self._queue_empty():
                 yield from self._flush(bufs, j)
         yield from self._flush(bufs, j)
+        yield from self._end_mini()
         self._next_mini = j + 1
 
     def _flush(self, bufs: list[list[ScoredGroup]], j: int) -> Iterator[MicroBatch]:
@@ -138,9 +159,56 @@ class StepBatch:
         for r in reversed(range(len(bufs))):
             if buf := bufs[r]:
                 bufs[r] = []
-                yield self._micro_batch(buf, j, r)
+                yield from self._out(self._micro_batch(buf, j, r))
 
     def _micro_batch(self, groups: list[ScoredGroup], j: int, replica: int = 0) -> MicroBatch:
         self.num_micro_batches += 1
         self.overlapped_micro_batches += self._generating()
         return make_micro_batch(groups, policy_version=self.policy_version, mini_batch=j, replica=replica)
+
+    # -- lockstep (expert parallelism) ---------------------------------------------------------
+    def _out(self, mb: MicroBatch) -> Iterator[MicroBatch]:
+        """``mb`` at once; in lockstep, held until every replica has one, then the round."""
+        if not self.lockstep:
+            yield mb
+            return
+        self._held[mb.replica].append(mb)
+        while all(self._held):
+            yield from self._round()
+
+    def _round(self) -> Iterator[MicroBatch]:
+        """One held micro-batch per replica (padding where a replica has none), replica 0 last."""
+        real = next(h[0] for h in self._held if h)
+        for r in reversed(range(len(self._held))):
+            if self._held[r]:
+                yield self._held[r].pop(0)
+            else:
+                self.padding_micro_batches += 1
+                yield padding_micro_batch(real.groups[0], policy_version=self.policy_version,
+                                          mini_batch=real.mini_batch, replica=r)
+
+    def _end_mini(self) -> Iterator[MicroBatch]:
+        """Lockstep: the rest of the mini-batch's rounds, short replicas padded."""
+        while any(self._held):
+            yield from self._round()
+
+
+def padding_micro_batch(template: ScoredGroup, *, policy_version: int, mini_batch: int, replica: int) -> MicroBatch:
+    """A micro-batch that trains nothing: ``template``'s first sample cut to its first prompt
+    token and first response token (its routes likewise, for routing replay), loss mask 0 and
+    advantage 0. Its forward/backward runs every collective of the model (the MoE layers' EP
+    all-to-all) and adds exactly zero to the loss, its denominator and every gradient."""
+    s = template.samples[0]
+    routes = s.routed_experts
+    if routes is not None:
+        routes = dataclasses.replace(routes, indices=routes.indices[:1])  # the one forwarded token
+    sample = dataclasses.replace(s, prompt_ids=s.prompt_ids[:1], response_ids=s.response_ids[:1],
+                                 behav_logprobs=s.behav_logprobs[:1], loss_mask=(0,), routed_experts=routes)
+    group = ScoredGroup(step=template.step, prompt_index=template.prompt_index, prompt_id=template.prompt_id,
+                        samples=(sample,), rewards=torch.zeros(1), advantages=torch.zeros(1), kept=True)
+    return make_micro_batch([group], policy_version=policy_version, mini_batch=mini_batch, replica=replica)
+
+
+def is_padding(mb: MicroBatch) -> bool:
+    """True for a ``padding_micro_batch`` (no token carries a loss term)."""
+    return mb.loss_mask is not None and not bool(mb.loss_mask.any())

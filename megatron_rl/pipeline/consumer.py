@@ -68,6 +68,9 @@ class PipelineSettings(PipelineConfig):
     poll_s: float = 0.05  # how often blocked threads re-check stop / failure
     join_timeout_s: float = 10.0  # how long close() waits for the producer thread
     world_timeout_s: float | None = None  # parallel.timeout_s: the longest wait for the next item; None: no limit
+    # parallel.ep > 1: the replicas train equal numbers of micro-batches per mini-batch, in rounds
+    # (``batching``: the MoE layers' EP collectives span the DP replicas)
+    lockstep_replicas: bool = False
     # The producer thread shares the interpreter with the training thread, whose Python-level
     # work holds the GIL; with CPython's default 5 ms switch interval every hand-off can keep
     # the engines waiting for their next chunk (measured: +25% generation time while training
@@ -117,8 +120,14 @@ def summarize(batch: StepBatch, new_version: int, wait_s: float,
         trained_response_tokens=sum(len(s.response_ids) for s in kept),
         trained_prompt_tokens=sum(len(s.prompt_ids) for s in kept),
         reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s,
-        extra_metrics={**(extra_metrics or {}), **turns, "train/dp_imbalance": batch.router.imbalance()},
+        extra_metrics={**(extra_metrics or {}), **turns, "train/dp_imbalance": batch.router.imbalance(),
+                       **_padding_metrics(batch)},
     )
+
+
+def _padding_metrics(batch: StepBatch) -> dict[str, float]:
+    """Lockstep replicas (expert parallelism): the padding micro-batches the step needed."""
+    return {"train/padding_micro_batches": float(batch.padding_micro_batches)} if batch.lockstep else {}
 
 
 class Pipeline:
@@ -212,6 +221,7 @@ class Pipeline:
             start=start, policy_version=self.schedule.policy_version(self._batch_index),
             num_mini_batches=s.mini_batches, token_budget=s.micro_batch_tokens, streamed=s.mode != "sync",
             flush_when_idle=s.flush_when_idle, pop=self._pop, queue_empty=self._queue.empty, replicas=self._replicas,
+            lockstep=s.lockstep_replicas,
         )
         return self._current
 

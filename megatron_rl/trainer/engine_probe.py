@@ -6,8 +6,10 @@ whose engine and trainer log-probs come from the same weights and measures nothi
 version v, the leader has them score (prefill only, ``RolloutEngine.score``) a few sequences the
 trainer just trained on, and every rank of replica 0 runs the policy (now at version v: it is
 what was just synced) forward on the same sequences, no grad, through the tri-model's policy
-stage on the compute device. Both sides use temperature 1 (vLLM's prompt log-probs ignore
-temperature: ``rollout.scoring``), so the probe sees weights and kernels, not a temperature gap.
+stage on the compute device. With expert parallelism (``parallel.ep`` > 1) every replica runs
+that forward, since the MoE layers' EP collectives span the replicas; replica 0's alone counts.
+Both sides use temperature 1 (vLLM's prompt log-probs ignore temperature:
+``rollout.scoring``), so the probe sees weights and kernels, not a temperature gap.
 
 The comparison is the loss's (``correction.mismatch_metrics``, δ = log π_trainer − log π_engine),
 merged over the world (``world_metrics``) and logged under ``mismatch_probe/`` (with
@@ -31,6 +33,7 @@ import torch
 
 from megatron_rl.algorithms.correction import mismatch_metrics
 from megatron_rl.attention.packing import PackedMicroBatch, pad_responses, unpack_logprobs_padded
+from megatron_rl.pipeline.batching import is_padding
 from megatron_rl.pipeline.records import MicroBatch, make_micro_batch
 from megatron_rl.rollout.scoring import ScoreRequest
 from megatron_rl.trainer.mismatch_gate import check_mismatch
@@ -79,8 +82,9 @@ class EngineProbe:
         self.last: MicroBatch | None = None
 
     def remember(self, mb: MicroBatch) -> None:
-        """Keep ``mb`` (its ``groups`` must be there: the leader's copy) as the next probe's source."""
-        if mb.groups:
+        """Keep ``mb`` (its ``groups`` must be there: the leader's copy) as the next probe's source;
+        a padding micro-batch (expert parallelism: nothing to measure) is passed over."""
+        if mb.groups and not is_padding(mb):
             self.last = mb
 
     def request(self, version: int) -> ProbeInput | None:
@@ -115,16 +119,20 @@ def probe_batch(mb: MicroBatch, sequences: int, version: int) -> MicroBatch:
 
 
 def measure_probe(trainer, probe: ProbeInput) -> dict[str, float]:
-    """Every rank: the policy's log-probs of the probe on replica 0, compared with the engine's,
-    merged over the world, checked by the mismatch alarm; the ``mismatch_probe/`` metrics."""
+    """Every rank: the policy's log-probs of the probe on replica 0 (forwarded by every replica at
+    EP > 1, for the MoE collectives), compared with the engine's, merged over the world, checked
+    by the mismatch alarm; the ``mismatch_probe/`` metrics."""
     from megatron.core import parallel_state as ps
 
     in_replica = ps.get_data_parallel_rank() == 0  # one replica measures: all hold the same weights
+    # With expert parallelism the MoE layers' EP collectives span the replicas: all of them run the
+    # forward (the same sequences), replica 0's result alone is counted.
+    forwards = in_replica or ps.get_expert_model_parallel_world_size() > 1
     local = None
-    if in_replica:
+    if forwards:
         mb = probe.micro_batch.to(trainer.device)
         lp = policy_logprobs(trainer.trimodel, mb.packed)
-        if lp is not None:  # the last stage
+        if lp is not None and in_replica:  # the last stage
             local = compare_probe(lp, probe.engine_logprobs.to(trainer.device), mb)
     world = world_merged(local, counts=in_replica and counts_loss())
     check_mismatch(trainer.loss.mismatch_alarm, world,

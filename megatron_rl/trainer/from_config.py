@@ -124,7 +124,7 @@ def group_scoring(cfg: Config) -> GroupScoring:
 def pipeline_settings(cfg: Config) -> PipelineSettings:
     """``pipeline`` as it is, with the mini-batch count and the sampling seed."""
     return PipelineSettings(**vars(cfg.pipeline), mini_batches=cfg.trainer.mini_batches, seed=cfg.rollout.sampling.seed,
-                            world_timeout_s=cfg.parallel.timeout_s)
+                            world_timeout_s=cfg.parallel.timeout_s, lockstep_replicas=cfg.parallel.ep > 1)
 
 
 def sagc_settings(cfg: Config) -> SAGCSettings:
