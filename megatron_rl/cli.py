@@ -46,17 +46,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _add_run_commands(sub) -> None:
     """``train`` (and ``--rollout-only``) and ``replay``."""
+    from megatron_rl.platform.device import PLATFORMS
     train = sub.add_parser("train", help="run RL training from a YAML config")
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    train.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu", "emulated"])
+    train.add_argument("--platform", default="auto", choices=PLATFORMS)
     train.add_argument("--rollout-only", action="store_true",
                        help="generate and score trainer.steps batches without training (rollout.record saves them)")
     replay = sub.add_parser("replay", help="train on the groups a run recorded with rollout.record (no engine)")
     replay.add_argument("config", help="YAML config file (the recording run's, or a variant)")
     replay.add_argument("recording", help="JSONL written by rollout.record")
     replay.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
-    replay.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu", "emulated"])
+    replay.add_argument("--platform", default="auto", choices=PLATFORMS)
 
 
 def _add_tool_commands(sub) -> None:

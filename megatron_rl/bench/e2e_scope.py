@@ -88,10 +88,11 @@ def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     frozen = len(from_config.trimodel_plan(cfg).active) - 1
     measured = measures(history, recorders[0], opts.warmup,
                         flops=lambda groups: training_flops(spec, groups, frozen_forwards=frozen))
-    device_type = detect_platform(opts.platform).device_type
+    plat = detect_platform(opts.platform)
+    device_type = plat.device_type
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's: every training rank
     engines = len(from_config.engine_settings(cfg).device_assignments()) * cfg.rollout.tensor_parallel_size
-    world = {"platform": device_type, "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+    world = {"platform": plat.name, "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
              "dp": world_size // (cfg.parallel.tp * cfg.parallel.pp), "engines": engines, "engine": cfg.rollout.engine,
              "pipeline": cfg.pipeline.mode}
     rest = history[opts.warmup:]

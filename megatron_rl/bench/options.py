@@ -29,7 +29,7 @@ class BenchOptions:
     response_len: LengthDist = field(default_factory=lambda: LengthDist(kind="heavy", a=128, b=1.0))  # train scope
     peak_tflops: float | None = None  # overrides the table / CPU microbench
     device: str | None = None  # peak-table key; None = detected
-    platform: str = "auto"  # auto | cpu | cuda | npu
+    platform: str = "auto"  # auto | cpu | cuda | npu | emulated | emulated-npu
     seed: int = 0  # synthetic groups (train scope)
     compare: tuple[str, ...] = ()  # override variants run side by side
 
@@ -57,6 +57,8 @@ class BenchOptions:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench flags on ``parser`` (``config`` and ``overrides`` are the caller's)."""
+    from megatron_rl.platform.device import PLATFORMS
+
     parser.add_argument("--scope", default="e2e", choices=SCOPES,
                         help="e2e: the training loop; train: the trainer alone on synthetic groups; "
                              "rollout: the engines alone")
@@ -68,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train scope: as --prompt-len, clipped to rollout.sampling.max_new_tokens")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device for MFU")
     parser.add_argument("--device", default=None, choices=DEVICES, help="peak-table key (default: detected)")
-    parser.add_argument("--platform", default="auto", choices=["auto", "cpu", "cuda", "npu", "emulated"])
+    parser.add_argument("--platform", default="auto", choices=PLATFORMS)
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic groups (train scope)")
     parser.add_argument("--compare", nargs="+", default=[], metavar="A.B=X",
                         help="run one variant per override (quote several overrides together) and print "

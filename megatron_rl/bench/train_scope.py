@@ -169,7 +169,7 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     finally:
         leader.leader.stop_followers()
         _remove(replica.snapshot_root)
-    world = {"platform": plat.device_type, "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
+    world = {"platform": plat.name, "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
              "dp": layout.dp, "engines": 0}
     peak = resolve_peak(opts, plat.device_type, DTYPES[cfg.model.dtype])
     return aggregate(measured[opts.warmup:], scope="train", warmup=opts.warmup, devices=layout.world_size,

@@ -2,7 +2,8 @@
 
 ``MEGATRON_RL_PLATFORM`` (any of the names below) overrides the platform a command or a test
 asks for, e.g. ``MEGATRON_RL_PLATFORM=emulated pytest ...`` runs CPU tests on the emulated
-accelerator, where CUDA's device rules hold (see ``megatron_rl.platform.emulated``).
+accelerator, where CUDA's device rules hold, and ``MEGATRON_RL_PLATFORM=emulated-npu`` on the same
+device under an Ascend 910B's rules (see ``megatron_rl.platform.emulated``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,27 @@ from typing import Literal
 import torch
 
 DeviceType = Literal["cpu", "cuda", "npu", "emulated"]
-PLATFORMS = ("auto", "cpu", "cuda", "npu", "emulated")
+PLATFORMS = ("auto", "cpu", "cuda", "npu", "emulated", "emulated-npu")
 ENV_OVERRIDE = "MEGATRON_RL_PLATFORM"
-_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "emulated": "eccl"}
+_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "emulated": "eccl", "emulated-npu": "eccl"}
+# The emulated device's rule profile per platform name (``megatron_rl.platform.emulated``).
+_EMULATED_PROFILES: dict[str, str] = {"emulated": "cuda", "emulated-npu": "npu"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Platform:
     """Where this process computes and how it talks to its peers."""
 
+    name: str  # as requested: cpu | cuda | npu | emulated | emulated-npu
     device_type: DeviceType
     dist_backend: str
     local_rank: int
+
+    @property
+    def npu_rules(self) -> bool:
+        """True on an Ascend NPU and on the emulated device under the 910B profile: the platforms
+        that take the NPU adaptor path (``platform/patches/npu.py``)."""
+        return self.name in ("npu", "emulated-npu")
 
     @property
     def device(self) -> torch.device:
@@ -56,8 +66,8 @@ def requested_platform(requested: str = "auto") -> str:
 
 
 def detect_platform(requested: str = "auto") -> Platform:
-    """Resolve ``requested`` (auto | cpu | cuda | npu | emulated; ``$MEGATRON_RL_PLATFORM`` overrides
-    it) to a ``Platform`` for this process."""
+    """Resolve ``requested`` (auto | cpu | cuda | npu | emulated | emulated-npu;
+    ``$MEGATRON_RL_PLATFORM`` overrides it) to a ``Platform`` for this process."""
     if requested not in PLATFORMS:
         raise ValueError(f"platform {requested!r}: expected one of {', '.join(PLATFORMS)}")
     requested = requested_platform(requested)
@@ -68,7 +78,8 @@ def detect_platform(requested: str = "auto") -> Platform:
     elif requested == "npu" and not npu_available():
         raise RuntimeError("platform 'npu' requested but torch_npu is not installed or sees no NPU")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return Platform(device_type=requested, dist_backend=_BACKENDS[requested], local_rank=local_rank)
+    device_type = "emulated" if requested in _EMULATED_PROFILES else requested
+    return Platform(name=requested, device_type=device_type, dist_backend=_BACKENDS[requested], local_rank=local_rank)
 
 
 _APPLIED: dict[str, Platform] = {}
@@ -90,24 +101,24 @@ def setup_platform(requested: str = "auto") -> Platform:
     if "platform" in _APPLIED:
         platform = _APPLIED["platform"]
         requested = requested_platform(requested)
-        if requested not in ("auto", platform.device_type):
-            raise RuntimeError(f"platform already set up as {platform.device_type!r}, cannot switch to {requested!r}")
+        if requested not in ("auto", platform.name):
+            raise RuntimeError(f"platform already set up as {platform.name!r}, cannot switch to {requested!r}")
         return platform
     platform = detect_platform(requested)
-    if platform.device_type in ("cpu", "emulated"):
-        from megatron_rl.platform.patches import apply_cpu_patches
+    if platform.device_type == "emulated":
+        from megatron_rl.platform import emulated
 
-        if platform.device_type == "emulated":
-            from megatron_rl.platform import emulated
-
-            emulated.load()
-            torch.emulated.set_device(platform.local_rank)  # type: ignore[attr-defined]
-        apply_cpu_patches(platform.device)
-    elif platform.device_type == "npu":
+        emulated.load()
+        emulated.set_profile(_EMULATED_PROFILES[platform.name])
+        torch.emulated.set_device(platform.local_rank)  # type: ignore[attr-defined]
+    if platform.npu_rules:
         from megatron_rl.platform.patches.npu import apply_npu_adaptor
 
-        apply_npu_adaptor()
-        torch.npu.set_device(platform.local_rank)  # type: ignore[attr-defined]
+        apply_npu_adaptor(platform.device, emulated=platform.device_type == "emulated")
+    elif platform.device_type in ("cpu", "emulated"):
+        from megatron_rl.platform.patches import apply_cpu_patches
+
+        apply_cpu_patches(platform.device)
     else:
         torch.cuda.set_device(platform.local_rank)
     from megatron_rl.platform.patches import recompute_context
@@ -115,6 +126,6 @@ def setup_platform(requested: str = "auto") -> Platform:
     recompute_context.apply()  # every platform: recompute must see the packed attention layout
     _APPLIED["platform"] = platform
     if os.environ.get("RANK", "0") == "0":
-        print(f"megatron_rl: platform {platform.device_type} (device {platform.device}, "
+        print(f"megatron_rl: platform {platform.name} (device {platform.device}, "
               f"collectives {platform.dist_backend})", flush=True)
     return platform
