@@ -219,6 +219,9 @@ class RolloutConfig:
     # engines copy from (fastest: 0.2 s for 0.54 GB); broadcast: gloo/NCCL/HCCL in flat buckets
     # (engines on other machines); snapshot: a HF safetensors snapshot the engines reload.
     weight_sync: WeightSync = "shared_memory"
+    # snapshot (and shared-memory) files go to a fresh directory in rank 0's /dev/shm; with pipeline
+    # stages or engines on other nodes, set this to a directory every node mounts (snapshot only).
+    snapshot_dir: str | None = None
     sync_address: str = "127.0.0.1"  # the broadcast group's listeners bind to this address only
     sync_bucket_mb: int = 256  # broadcast sync: tensors travel packed in flat buckets of this many MiB
     # A worker with work in flight that sends nothing for this long is hung: killed, restarted,

@@ -23,6 +23,7 @@ from .fields import Found
 from .model_shape import check_model_parallel, model_shape, read_hf_json
 from .schema import Config
 from .sections import check_fields, check_rules
+from .weight_files import check_weight_files
 
 
 def validate(cfg: Config, *, hf_config: dict[str, Any] | None = None, origins: Origins | None = None) -> None:
@@ -175,4 +176,5 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_multiturn_budget,
     check_multiturn_routing_replay,
     check_temperature,
+    check_weight_files,
 )

@@ -34,7 +34,7 @@ from megatron_rl.trainer.engine_probe import make_probe
 from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
 from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
-from megatron_rl.trainer.snapshot_dir import make_snapshot_dir
+from megatron_rl.trainer.snapshot_root import shared_snapshot_root
 
 EngineFactory = Callable[[EngineSettings], RolloutEngine]
 
@@ -116,7 +116,7 @@ def build_replica(cfg: Config, layout: ParallelLayout, *,
     if resume:
         _load_optimizer(trainer, policy, spec, cfg.trainer.resume_from)
     channel, dispatch = ReplicaChannel(), DispatchChannel() if layout.dp > 1 else None
-    snapshots = _shared_snapshot_root()
+    snapshots = _shared_snapshot_root(cfg)
     engine = engine_for(policy_path) if dist.get_rank() == 0 else None
     return Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
                    channel=channel, weight_sync=cfg.rollout.weight_sync,
@@ -174,9 +174,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     )
 
 
-def _shared_snapshot_root() -> Path:
-    """A directory for weight snapshots, in shared memory when the machine has it; same on all ranks."""
-    base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    box = [str(make_snapshot_dir(base)) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+def _shared_snapshot_root(cfg: Config) -> Path:
+    """The run's directory for weight snapshots, the same on all ranks and reachable by every
+    stage's writer: rank 0's /dev/shm, or ``rollout.snapshot_dir`` (``trainer.snapshot_root``)."""
+    return shared_snapshot_root(cfg)
