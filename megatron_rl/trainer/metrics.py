@@ -100,6 +100,9 @@ def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seco
         "train/nonfinite_steps": float(sum(r.nonfinite for r in results)),
         "memory/peak_gb": peak_memory_gb(),
     })
+    device_peak = device_peak_memory_gb()
+    if device_peak is not None:  # a rank on a device (CUDA / NPU / emulated): its own peak
+        metrics["memory/device_peak_gb"] = device_peak
     measured = [r.loss_metrics for r in stepped if r.loss_metrics is not None]
     if measured:  # sums and maxima: the step's statistics over all its mini-batches
         metrics.update(functools.reduce(LossMetrics.merge, measured).to_log())
@@ -121,7 +124,8 @@ def transfer_metrics() -> dict[str, float]:
     now = emulated.transfer_counts()
     delta = now - _LAST_TRANSFERS.get("counts", emulated.TransferCounts())
     _LAST_TRANSFERS["counts"] = now
-    return {f"transfers/{name}": float(getattr(delta, name)) for name in ("h2d", "d2h", "h2d_bytes", "d2h_bytes")}
+    return {f"transfers/{name}": float(getattr(delta, name))
+            for name in ("h2d", "d2h", "h2d_bytes", "d2h_bytes", "syncs")}
 
 
 # The trainer's phases (Replica.seconds); with the queue wait and idle they make up the step.
@@ -155,8 +159,26 @@ def _weight_sync(seconds: Mapping[str, float]) -> dict[str, float]:
             "sync/gb_per_s": nbytes / 1e9 / max(transfer or seconds.get("weight_sync", 0.0), 1e-9)}
 
 
+def device_peak_memory_gb(device: torch.device | None = None) -> float | None:
+    """Peak memory allocated on ``device`` (default: this rank's compute device) so far, in GB:
+    CUDA, NPU or the emulated device (whose capacity makes it a real limit); None on the CPU."""
+    if device is None:
+        from megatron_rl.platform import compute_device
+
+        device = compute_device()
+    if device.type == "cpu":
+        return None
+    return getattr(torch, device.type).max_memory_allocated(device) / 1e9
+
+
 def peak_memory_gb() -> float:
-    """Peak memory of this process so far: device memory on CUDA / NPU, resident set on the CPU."""
+    """Peak memory of this process so far: device memory on CUDA / NPU / the emulated device,
+    resident set on the CPU."""
+    from megatron_rl.platform import current_platform
+
+    platform = current_platform()
+    if platform is not None and platform.device_type == "emulated":
+        return device_peak_memory_gb(platform.device) or 0.0
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 1e9
     npu = getattr(torch, "npu", None)

@@ -150,7 +150,7 @@ def _apply(rules: Profile) -> None:
     """Push one profile's rules into the extension's global flags and the Tensor.type patch."""
     import torch.distributed as dist
 
-    ext = _STATE["ext"]
+    ext, capacity = _STATE["ext"], _profile_capacity(rules)  # first: a bad value changes nothing
     compute, missing = rules.compute, rules.missing
     ext.set_compute_rules(rules.name, rules.device_name, list(compute.refused) if compute else [],
                           compute.fix if compute else "")
@@ -158,7 +158,6 @@ def _apply(rules: Profile) -> None:
     ext.set_collective_rules([(list(r.collectives), list(r.accepted)) for r in rules.collective_dtypes],
                              list(missing.collectives) if missing else [], reduce_ops,
                              rules.contiguity.message if rules.contiguity else "")
-    capacity = _profile_capacity(rules)
     ext.set_memory_capacity(-1 if capacity is None else capacity)
     _set_type_prefix(rules.type_string.prefix)
     _STATE["profile"] = rules.name
