@@ -52,9 +52,11 @@ class PolicyTrainer:
         self._reset()
 
     def _reset(self) -> None:
-        # Device scalars: a micro-step adds to them without a host sync; read once per step.
-        self._numerator = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._denominator = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Device scalars: a micro-step adds to them without a host sync; read once per step. The
+        # denominator is a count (int64: exact past fp32's 2^24), the numerator a float sum (fp32:
+        # a 910B computes no fp64 and HCCL all-reduces neither).
+        self._numerator = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._denominator = torch.zeros((), dtype=torch.int64, device=self.device)
         self._metrics: LossMetrics | None = None
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -97,7 +99,7 @@ class PolicyTrainer:
                           compare_engine=not lp.old_is_policy or mb.mini_batch == 0,
                           versions=mb.versions[:, None].expand_as(mask), current_version=mb.policy_version,
                           entropy=entropy)
-        self._numerator += out.loss.detach().to(torch.float64)
+        self._numerator += out.loss.detach().float()
         self._denominator += share
         self._metrics = out.metrics if self._metrics is None else self._metrics.merge(out.metrics)
         return out.loss, None
@@ -142,15 +144,17 @@ class PolicyTrainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def _global_totals(self) -> list[float]:
-        """[denominator, numerator] summed over the model replicas' last stages (once per replica),
-        reduced on the device and read once."""
-        totals = torch.stack([self._denominator, self._numerator])
+    def _global_totals(self) -> tuple[float, float]:
+        """(denominator, numerator) summed over the model replicas' last stages (once per replica),
+        reduced on the device in types HCCL's all-reduce takes (an int64 count, an fp32 sum; not
+        fp64) and read once each; Python floats (the host's float64) only after the reduction."""
+        totals = [self._denominator.clone(), self._numerator.clone()]
         if not counts_loss():
-            totals = torch.zeros_like(totals)
+            totals = [torch.zeros_like(t) for t in totals]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(totals)
-        return totals.tolist()
+            for t in totals:
+                dist.all_reduce(t)
+        return float(totals[0].item()), float(totals[1].item())
 
 
 def _all_finite(values: torch.Tensor) -> torch.Tensor:
