@@ -216,6 +216,16 @@ def torch_cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
+def test_fp32_master_weights_are_required_of_a_bf16_model_only():
+    """``--set model.dtype=float32`` (a documented work-around) has no master copies to save."""
+    from megatron_rl.devcheck.rl_dist import master_weight_reasons
+
+    assert master_weight_reasons({"model_dtypes": ["bfloat16"], "master_dtypes": ["float32"]}) == []
+    assert master_weight_reasons({"model_dtypes": ["float32"], "master_dtypes": []}) == []
+    assert master_weight_reasons({"model_dtypes": ["bfloat16"], "master_dtypes": []}) == [
+        "optimizer master weights [], expected fp32 copies of the ['bfloat16'] model"]
+
+
 def test_first_rank_error_is_the_cause_not_its_echoes():
     from megatron_rl.devcheck.rl_dist import first_rank_error
 

@@ -119,6 +119,14 @@ def master_weights(checkpoint: Path) -> dict:
     return {"model_dtypes": sorted(model), "master_dtypes": sorted(master)}
 
 
+def master_weight_reasons(dtypes: dict) -> list[str]:
+    """A model not in fp32 (bf16 unless ``--set model.dtype=float32``) must have saved fp32 master weights."""
+    if dtypes["model_dtypes"] == ["float32"] or dtypes["master_dtypes"] == ["float32"]:
+        return []
+    return [f"optimizer master weights {dtypes['master_dtypes']}, expected fp32 copies of the "
+            f"{dtypes['model_dtypes']} model"]
+
+
 def check_rl_dist(opts: CheckOptions) -> dict:
     """2 steps at DP 2, bf16 + fp32 master weights, distributed optimizer, broadcast sync."""
     if reason := too_few_devices(opts, WORLD, f"{WORLD} training ranks"):
@@ -127,8 +135,7 @@ def check_rl_dist(opts: CheckOptions) -> dict:
     reasons = judge_steps(history, 2, bf16_engine=True)
     out = opts.work / "rl_dist"
     dtypes = master_weights(out / "step_2")
-    if dtypes["master_dtypes"] != ["float32"]:
-        reasons.append(f"optimizer master weights {dtypes['master_dtypes']}, expected fp32 copies of the bf16 model")
+    reasons += master_weight_reasons(dtypes)
     moved = max_change(load_weights(out / "step_2" / "model"), load_weights(tiny_model(opts)))
     if not moved > 1e-4:
         reasons.append(f"training did not move the weights (max change {moved:.2e})")
