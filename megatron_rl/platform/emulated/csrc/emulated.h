@@ -4,6 +4,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/function_schema.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Storage.h>
 
@@ -70,6 +72,20 @@ void set_collective_rules(const std::vector<std::pair<std::vector<std::string>, 
                           const std::string& contiguity);
 // Raise if `collective` on `tensors` (with `reduce_op`, -1 for none) breaks the active rules.
 void check_collective(const char* collective, const std::vector<at::Tensor>& tensors, int64_t reduce_op);
+
+// How an op's output size can depend on device data (a device->host read on CUDA and NPU), and
+// where in its arguments to look (computed once per schema).
+enum class Sync : uint8_t { kNever, kAlways, kBoolIndices, kNoOutputSize };
+struct SyncInfo {
+  Sync kind = Sync::kNever;
+  int sync_arg = -1;                         // kBoolIndices: "indices"; kNoOutputSize: "output_size"
+  int values_arg = -1, accumulate_arg = -1;  // index_put: a masked fill does not sync
+};
+SyncInfo sync_info(const c10::FunctionSchema& schema);
+// True when this call (`args`: its arguments on the stack) reads its output size from the device.
+bool reads_size(const SyncInfo& info, const c10::IValue* args);
+// Ops that only move, cast or fill data (views are recognised by their schema in ops.cpp).
+bool moves_data_only(const std::string& name);
 
 // Route structured ops' functional / in-place variants straight to the CPU fallback; returns
 // how many ops were registered (idempotent).

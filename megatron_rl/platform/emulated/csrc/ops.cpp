@@ -16,7 +16,6 @@
 
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -118,32 +117,6 @@ void record_stream(at::Tensor&, c10::Stream) {}  // one synchronous stream: noth
 
 // ---- the fallback -----------------------------------------------------------------------
 
-// How an op's output size can depend on device data (a device->host read on CUDA and NPU).
-enum class Sync : uint8_t { kNever, kAlways, kBoolIndices, kNoOutputSize };
-
-// Ops that only move, cast or fill data: allowed on every dtype (views are recognised by schema).
-bool moves_data_only(const std::string& name) {
-  static const std::unordered_set<std::string> kMoves = {
-      "aten::copy_", "aten::_to_copy", "aten::clone", "aten::fill_", "aten::zero_", "aten::empty_like",
-      "aten::new_empty", "aten::new_empty_strided", "aten::empty_strided", "aten::empty", "aten::cat",
-      "aten::stack", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous",
-      "aten::resize_", "aten::resize_as_", "aten::set_", "aten::slice_scatter", "aten::select_scatter",
-      "aten::as_strided_scatter", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::record_stream"};
-  return kMoves.count(name) > 0;
-}
-
-Sync sync_of(const std::string& name) {
-  static const std::unordered_set<std::string> kAlways = {
-      "aten::nonzero", "aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim",
-      "aten::unique_dim_consecutive", "aten::masked_select", "aten::bincount"};
-  static const std::unordered_set<std::string> kIndex = {"aten::index", "aten::index_put_", "aten::index_put",
-                                                         "aten::_index_put_impl_"};
-  if (kAlways.count(name)) return Sync::kAlways;
-  if (kIndex.count(name)) return Sync::kBoolIndices;
-  if (name == "aten::repeat_interleave") return Sync::kNoOutputSize;
-  return Sync::kNever;
-}
-
 // What the fallback needs to know about an operator, computed once per thread and schema.
 struct OpInfo {
   std::string name;                // "aten::add.Tensor", for messages
@@ -152,9 +125,7 @@ struct OpInfo {
   int host_indices_arg = -1;       // index ops: the "indices" argument may live on the host
   bool reads_scalar = false;       // returns a number read from device memory (a device->host sync)
   bool moves_data = false;         // copies, casts, fills, views: exempt from the dtype rule
-  Sync sync = Sync::kNever;
-  int sync_arg = -1;               // kBoolIndices: "indices"; kNoOutputSize: "output_size"
-  int values_arg = -1, accumulate_arg = -1;  // index_put: a masked fill does not sync
+  SyncInfo sync;                   // whether its output size depends on device data
 };
 
 OpInfo make_info(const c10::FunctionSchema& schema) {
@@ -177,15 +148,8 @@ OpInfo make_info(const c10::FunctionSchema& schema) {
     info.reads_scalar |= number && info.name.rfind("aten::is_", 0) != 0;
     info.moves_data |= ret.alias_info() && !ret.alias_info()->isWrite();  // a view
   }
-  const std::string& base = schema.operator_name().name;
-  info.moves_data |= moves_data_only(base);
-  info.sync = sync_of(base);
-  const char* sync_arg_name = info.sync == Sync::kBoolIndices ? "indices" : "output_size";
-  for (size_t j = 0; j < args.size(); ++j) {
-    if (info.sync >= Sync::kBoolIndices && args[j].name() == sync_arg_name) info.sync_arg = static_cast<int>(j);
-    if (info.sync == Sync::kBoolIndices && args[j].name() == "values") info.values_arg = static_cast<int>(j);
-    if (info.sync == Sync::kBoolIndices && args[j].name() == "accumulate") info.accumulate_arg = static_cast<int>(j);
-  }
+  info.moves_data |= moves_data_only(schema.operator_name().name);
+  info.sync = sync_info(schema);
   static const char* kIndexOps[] = {"aten::index",           "aten::index_put_",      "aten::index_put",
                                     "aten::_index_put_impl_", "aten::_unsafe_index",   "aten::_unsafe_index_put"};
   for (const char* op : kIndexOps) {
@@ -317,32 +281,6 @@ void write_back(const at::Tensor& device_tensor, const at::Tensor& alias) {
   }
 }
 
-// index_put_ of one host scalar through one device mask: ATen's canDispatchToMaskedFill turns it
-// into masked_fill_ (no sync). Python's `x[mask] = 2.0` makes that scalar a host tensor on CUDA
-// only; on other devices (torch_npu: op-plugin's masked fill then reads value.item()) it syncs.
-bool masked_fill(const OpInfo& info, const c10::IValue* args, int masks, int defined) {
-  if (info.values_arg < 0 || masks != 1 || defined != 1) return false;
-  const c10::IValue& values = args[info.values_arg];
-  bool accumulate = info.accumulate_arg >= 0 && args[info.accumulate_arg].isBool() && args[info.accumulate_arg].toBool();
-  return !accumulate && values.isTensor() && values.toTensor().is_cpu() && values.toTensor().numel() == 1;
-}
-
-// True when this call's output size depends on device data (`args`: the op's arguments).
-bool reads_size(const OpInfo& info, const c10::IValue* args) {
-  if (info.sync == Sync::kAlways) return true;
-  const c10::IValue& arg = args[info.sync_arg];
-  if (info.sync == Sync::kNoOutputSize) return arg.isNone();
-  if (!arg.isList()) return false;
-  int masks = 0, defined = 0;
-  for (const c10::IValue& item : arg.toListRef()) {
-    if (!item.isTensor() || !item.toTensor().defined()) continue;
-    const at::Tensor& t = item.toTensor();
-    ++defined;
-    masks += t.device().type() == kDevice && (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte);
-  }
-  return masks > 0 && !masked_fill(info, args, masks, defined);
-}
-
 // The refused-dtype rule on a result the CPU kernel made (a tensor or a list of them).
 void check_result(const Call& call, const c10::IValue& value) {
   if (value.isTensor()) {
@@ -362,7 +300,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t base = stack->size() - num_args;
   Call call{info, schema};
   call.refused = info.moves_data ? 0 : refused_compute_mask();
-  const bool sync = info.sync != Sync::kNever && reads_size(info, stack->data() + base);
+  const bool sync = info.sync.kind != Sync::kNever && reads_size(info.sync, stack->data() + base);
   c10::SmallVector<c10::IValue, 8> originals(num_args), aliases(num_args);
   for (size_t j = 0; j < num_args; ++j) {
     c10::IValue& value = (*stack)[base + j];

@@ -1,5 +1,6 @@
 // The active profile's rules (profiles.py pushes them here through set_profile): the dtypes the
-// device does not compute, what the collective backend refuses, and which ops are host syncs.
+// device does not compute, what the collective backend refuses; and, on every profile, which
+// ops only move data and which read a data-dependent size back to the host.
 // The per-op test is one load of a dtype bitmask; strings are built only for error messages.
 #include "emulated.h"
 
@@ -124,6 +125,74 @@ void check_collective(const char* collective, const std::vector<at::Tensor>& ten
     TORCH_CHECK(rules->contiguity.empty() || t.is_contiguous(t.suggest_memory_format()), rules->contiguity,
                 " (HCCL ", collective, ", emulated device, npu profile: call .contiguous() first)");
   }
+}
+
+// Ops that only move, cast or fill data: allowed on every dtype (views are recognised by schema).
+bool moves_data_only(const std::string& name) {
+  static const std::unordered_set<std::string> kMoves = {
+      "aten::copy_", "aten::_to_copy", "aten::clone", "aten::fill_", "aten::zero_", "aten::empty_like",
+      "aten::new_empty", "aten::new_empty_strided", "aten::empty_strided", "aten::empty", "aten::cat",
+      "aten::stack", "aten::detach", "aten::alias", "aten::lift_fresh", "aten::_unsafe_view", "aten::contiguous",
+      "aten::resize_", "aten::resize_as_", "aten::set_", "aten::slice_scatter", "aten::select_scatter",
+      "aten::as_strided_scatter", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::record_stream"};
+  return kMoves.count(name) > 0;
+}
+
+namespace {
+
+Sync sync_of(const std::string& name) {
+  static const std::unordered_set<std::string> kAlways = {
+      "aten::nonzero", "aten::_unique", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim",
+      "aten::unique_dim_consecutive", "aten::masked_select", "aten::bincount"};
+  static const std::unordered_set<std::string> kIndex = {"aten::index", "aten::index_put_", "aten::index_put",
+                                                         "aten::_index_put_impl_"};
+  if (kAlways.count(name)) return Sync::kAlways;
+  if (kIndex.count(name)) return Sync::kBoolIndices;
+  if (name == "aten::repeat_interleave") return Sync::kNoOutputSize;
+  return Sync::kNever;
+}
+
+// index_put_ of one host scalar through one device mask: ATen's canDispatchToMaskedFill turns it
+// into masked_fill_ (no sync). Python's `x[mask] = 2.0` makes that scalar a host tensor on CUDA
+// only; on other devices (torch_npu: op-plugin's masked fill then reads value.item()) it syncs.
+bool masked_fill(const SyncInfo& info, const c10::IValue* args, int masks, int defined) {
+  if (info.values_arg < 0 || masks != 1 || defined != 1) return false;
+  const c10::IValue& values = args[info.values_arg];
+  bool accumulate = info.accumulate_arg >= 0 && args[info.accumulate_arg].isBool() && args[info.accumulate_arg].toBool();
+  return !accumulate && values.isTensor() && values.toTensor().is_cpu() && values.toTensor().numel() == 1;
+}
+
+}  // namespace
+
+SyncInfo sync_info(const c10::FunctionSchema& schema) {
+  SyncInfo info;
+  info.kind = sync_of(schema.operator_name().name);
+  const auto& args = schema.arguments();
+  const char* sync_arg_name = info.kind == Sync::kBoolIndices ? "indices" : "output_size";
+  for (size_t j = 0; j < args.size(); ++j) {
+    const std::string& name = args[j].name();
+    if (info.kind >= Sync::kBoolIndices && name == sync_arg_name) info.sync_arg = static_cast<int>(j);
+    if (info.kind == Sync::kBoolIndices && name == "values") info.values_arg = static_cast<int>(j);
+    if (info.kind == Sync::kBoolIndices && name == "accumulate") info.accumulate_arg = static_cast<int>(j);
+  }
+  return info;
+}
+
+// True when this call's output size depends on device data (`args`: the op's arguments).
+bool reads_size(const SyncInfo& info, const c10::IValue* args) {
+  if (info.kind == Sync::kAlways) return true;
+  if (info.sync_arg < 0) return false;
+  const c10::IValue& arg = args[info.sync_arg];
+  if (info.kind == Sync::kNoOutputSize) return arg.isNone();
+  if (!arg.isList()) return false;
+  int masks = 0, defined = 0;
+  for (const c10::IValue& item : arg.toListRef()) {
+    if (!item.isTensor() || !item.toTensor().defined()) continue;
+    const at::Tensor& t = item.toTensor();
+    ++defined;
+    masks += t.device().type() == kDevice && (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte);
+  }
+  return masks > 0 && !masked_fill(info, args, masks, defined);
 }
 
 }  // namespace emulated
