@@ -17,7 +17,8 @@ with ``padding_micro_batch`` (two tokens, loss mask 0).
   (2) RL runs of 3 prompts per batch: sync at PP 2 x DP 2 x EP 2, the same at EP 1 (the
   reference: no padding), periodic at DP 4 x EP 2 (one replica gets no group), stale at
   PP 2 x DP 2 x EP 2 with the engine probe on (its default there). Each finishes its steps;
-  sync at EP 2 and periodic at DP 4 x EP 2 end with the reference's weights (<= 1e-5).
+  sync at EP 2 and periodic at DP 4 x EP 2 end with the reference's weights (<= 1e-5), grad
+  norms and loss metrics (the weights alone would not see a wrong denominator: Adam).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megatron_rl.pipeline.records import MicroBatch
 from tests.distributed import run_distributed
 from tests.pipeline_fakes import FakeEngine, FakePrompts, FakeTrainer, deadline, make_pipeline, train_one_step
 from tests.rl_fixtures import TRAIN_PLATFORM, load_weights, tiny_rl_config
+from tests.test_data_parallel import assert_same_loss_metrics
 
 WEIGHT_TOL = 1e-5  # fp32: the experts' sums run in another order at EP 2 than at EP 1
 
@@ -211,3 +213,7 @@ def test_uneven_ep_batches_finish_in_every_mode(world):
         diff = max((got[k] - reference[k]).abs().max().item() for k in reference)
         print(f"{name}: max |weight - EP 1 reference| {diff:.2e}")
         assert diff <= WEIGHT_TOL, name
+        # Adam hides a gradient's scale: the norm and the loss metrics see the denominator
+        assert_same_loss_metrics(runs[name], runs["sync_pp2_dp2_ep1"])
+        for h, ref in zip(runs[name], runs["sync_pp2_dp2_ep1"], strict=True):
+            assert h["loss/grad_norm"] == pytest.approx(ref["loss/grad_norm"], rel=1e-4), name
