@@ -120,6 +120,20 @@ def test_a_loss_and_correction_micro_batch_keeps_to_the_device_rules(device, set
     assert out.metrics.mismatch is not None and out.metrics.mismatch.seq_measured.device == device
 
 
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.kind}-{s.correction.mode}")
+def test_a_micro_batch_runs_under_the_emulated_910b_profile(device, settings):
+    """The emulated device's npu profile refuses fp64 compute on the device by itself."""
+    from megatron_rl.platform import emulated
+
+    t = _batch(device)
+    t["logp"].requires_grad_()
+    with emulated.profile("npu"):
+        share, out = _micro_batch(settings, t)
+        out.loss.backward()
+        host = to_host(out.metrics.merge(out.metrics))
+    assert int(share.cpu()) > 0 and host.mismatch is not None
+
+
 def test_a_decoupled_a3po_micro_batch_computes_no_fp64_and_no_data_dependent_shape(device):
     """A-3PO (``proximal: loglinear``): the version check in ``loglinear_proximal_logp`` reads one
     flag per micro-batch (left as it is: see the report); no other rule is broken."""
