@@ -47,15 +47,20 @@ class Sender:
         return SyncStats(nbytes)
 
 
-@dataclass(frozen=True)
 class SnapshotTensors:
-    """The tensors of the snapshot ``directory``, iterated as ``(name, tensor)``; a backend
-    that reloads from files (vLLM at TP > 1) reads ``directory`` itself instead of rewriting them."""
+    """An iterator of the snapshot ``directory``'s ``(name, tensor)`` pairs (as ``read_snapshot``);
+    a backend that reloads from files (vLLM at TP > 1) reads ``directory`` itself instead of
+    rewriting them."""
 
-    directory: str
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._items = read_snapshot(directory)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return read_snapshot(self.directory)
+    def __iter__(self) -> SnapshotTensors:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)
 
 
 def read_snapshot(path: str) -> Iterator[tuple[str, torch.Tensor]]:
