@@ -191,6 +191,7 @@ def test_device_configs_are_valid_and_place_the_engines(tmp_path, device):
     assert (dist.model.dtype, dist.parallel.distributed_optimizer, dist.rollout.weight_sync) == (
         "bfloat16", True, "broadcast")
     assert dist.parallel.tp == 2 and dist.rollout.devices == [f"{device}:1"]
+    assert dist.pipeline.mode == "sync" and dist.pipeline.micro_batch_tokens == 256  # resumable bit for bit
     tp2 = load_config(dist_config(opts, "rl_vllm_tp2", "vllm", engine_devices="2,3", tp=2))
     assert tp2.rollout.tensor_parallel_size == 2 and tp2.rollout.devices == [f"{device}:2,3"]
     assert tp2.rollout.dtype == "bfloat16"

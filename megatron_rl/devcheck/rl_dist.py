@@ -5,7 +5,8 @@
   loss totals are all-reduced over the device's collectives), ``model.dtype: bfloat16`` with fp32
   master weights, megatron's distributed optimizer (its state sharded over the replicas),
   ``rollout.weight_sync: broadcast`` (buckets over NCCL / HCCL; gloo to CPU engines), a checkpoint
-  every step; 2 steps. ``--set parallel.tp=2`` makes it TP 2 (the model's 2 heads allow it).
+  every step; 2 steps, ``pipeline.mode: sync`` (periodic mode is ``rl_hf``'s). ``--set parallel.tp=2``
+  makes it TP 2 (the model's 2 heads allow it).
 - ``resume_dist``: a new 2-rank world resumes ``rl_dist``'s step-1 checkpoint for 1 step; its
   weights must equal ``rl_dist``'s step 2 (``rl.resume_figures``).
 - ``rl_vllm_tp2``: the same 2 ranks on devices 0, 1 feeding a vLLM engine at tensor-parallel 2 on
@@ -77,7 +78,9 @@ def dist_config(opts: CheckOptions, name: str, engine: str, *, engine_devices: s
     rollout: dict = {"weight_sync": "broadcast", "tensor_parallel_size": tp}
     if opts.accelerator:
         rollout["devices"] = [f"{opts.device}:{engine_devices}"]
-    extra = {"model": {"dtype": "bfloat16"}, "rollout": rollout,
+    # sync mode: micro-batches packed in prompt order, so a resumed step sums its bf16 gradients in
+    # the straight run's order (periodic packs in arrival order: two straight runs differ by ~1 bf16 ulp)
+    extra = {"model": {"dtype": "bfloat16"}, "rollout": rollout, "pipeline": {"mode": "sync"},
              "parallel": {"distributed_optimizer": True, "timeout_s": WORLD_TIMEOUT_S}}
     return write_config(opts, name, engine, 2, extra=extra)
 
