@@ -130,7 +130,7 @@ def test_launch_scripts_start_the_planned_ranks_per_node(name):
     launch_vars = ("MASTER_ADDR", "NNODES", "NPROC_PER_NODE", "NPROC", "PLATFORM", "DEVICES_PER_NODE", "ENGINE_DEVICES",
                    "TRAIN_WORLD_SIZE", "RANK_BASE")
     base = {k: v for k, v in os.environ.items() if k not in launch_vars}
-    base.update(MEGATRON_RL_DRY_RUN="1", MODEL_DIR="/data/model")
+    base.update(MEGATRON_RL_DRY_RUN="1", MODEL_DIR="/data/model", SNAPSHOT_DIR="/shared/snapshots")
     if nodes > 1:
         base["MASTER_ADDR"] = "10.0.0.1"
     for script in scripts:
