@@ -110,6 +110,30 @@ def test_padding_micro_batch_keeps_routes_and_trains_nothing():
     assert not is_padding(make_micro_batch([real], policy_version=0))  # multi-turn masks: some token counts
 
 
+def test_bench_train_scope_pads_as_training_does(tmp_path):
+    """``bench --scope train`` cuts its synthetic steps with training's lockstep at EP > 1, and
+    counts no padding as trained tokens."""
+    from megatron_rl.bench import BenchOptions, LengthDist
+    from megatron_rl.bench.train_scope import ShapeRecorder, SyntheticGroups, SyntheticSteps
+    from megatron_rl.config import load_config
+    from megatron_rl.models.synthetic import write_char_moe
+
+    model = write_char_moe(tmp_path / "model")
+    config = tiny_rl_config(tmp_path, model, trainer={"prompts_per_batch": 3})
+    cfg = load_config(config, ["parallel.ep=2", "data.max_prompt_tokens=40", "pipeline.micro_batch_tokens=60"])
+    opts = BenchOptions(scope="train", prompt_len=LengthDist(kind="fixed", a=16),
+                        response_len=LengthDist(kind="fixed", a=8))
+    steps = SyntheticSteps(cfg, SyntheticGroups.from_config(cfg, opts, 50), replicas=2)
+    steps.prepare()
+    mbs = [mb for mini in steps.begin_step().mini_batches() for mb in mini]
+    assert [mb.replica for mb in mbs] == [1, 0, 1, 0] and sum(map(is_padding, mbs)) == 1  # 48-token groups
+    leader = type("Leader", (), {"dispatch": None, "train_micro_batch": lambda self, mb: None})()
+    recorder = ShapeRecorder(leader)
+    for mb in mbs:
+        recorder.train_micro_batch(mb)
+    assert [(g.prompt_len, g.response_lens) for g in recorder.pop_shapes()] == [(16, (8,) * 4)] * 3
+
+
 # ---- one world of 4 ranks --------------------------------------------------------------------
 
 COMMON = ["parallel.timeout_s=60", "pipeline.micro_batch_tokens=240", "trainer.steps=2"]

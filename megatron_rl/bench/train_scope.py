@@ -28,6 +28,7 @@ from megatron_rl.bench.options import BenchOptions, peak_memory, resolve_peak
 from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate
 from megatron_rl.config import Config, config_to_dict
 from megatron_rl.pipeline import BatchEnd, BatchStart, MicroBatch, Sample, StepBatch, score_group
+from megatron_rl.pipeline.batching import is_padding
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import DTYPES
 
@@ -90,7 +91,8 @@ class SyntheticSteps:
         return StepBatch(start=queue.popleft(), policy_version=self.step,
                          num_mini_batches=self.cfg.trainer.mini_batches,
                          token_budget=self.cfg.pipeline.micro_batch_tokens, streamed=False, flush_when_idle=False,
-                         pop=queue.popleft, queue_empty=lambda: not queue, replicas=self.replicas)
+                         pop=queue.popleft, queue_empty=lambda: not queue, replicas=self.replicas,
+                         lockstep=from_config.pipeline_settings(self.cfg).lockstep_replicas)  # EP: as training
 
     def complete(self, batch: StepBatch, version: int) -> int:
         """The step is done (nothing to publish: no engine)."""
@@ -108,7 +110,8 @@ class ShapeRecorder:
         self.dispatch = leader.dispatch  # what trainer.dispatcher.dispatch_ahead looks for
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
-        self.shapes += trained_shapes(mb)
+        if not is_padding(mb):  # expert parallelism's padding: collectives only, no trained token
+            self.shapes += trained_shapes(mb)
         self.leader.train_micro_batch(mb)
 
     def optimizer_step(self) -> None:
