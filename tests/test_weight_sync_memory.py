@@ -81,11 +81,12 @@ class FakeLLM:
 
 def tp2_engine(device: torch.device, model: dict[str, torch.Tensor]):
     """A ``VLLMBackend`` at tensor-parallel size 2 on ``device`` around ``FakeLLM(model)``."""
+    from megatron_rl.rollout.vllm_api import VLLMEngine
     from megatron_rl.rollout.vllm_worker import VLLMBackend
 
     backend = VLLMBackend.__new__(VLLMBackend)  # no vLLM engine: its LLM is the fake
     backend._device_kind, backend._tp, backend._pending = device.type, 2, {}
-    backend._llm = FakeLLM(model)
+    backend._engine = VLLMEngine(FakeLLM(model))
     return backend
 
 
@@ -119,16 +120,16 @@ def test_tp2_receiver_holds_two_buckets_not_the_model(device, monkeypatch):
           f"bucket {BUCKET / MB:.0f} MB)")
     assert peak <= 2 * BUCKET, f"{peak / MB:.1f} MB on the device: more than 2 buckets of {BUCKET / MB:.0f} MB"
     for name, tensor in named:  # the engine's model now holds exactly the sent tensors
-        assert torch.equal(engine._llm.model[name].cpu(), tensor), name
+        assert torch.equal(engine._engine.llm.model[name].cpu(), tensor), name
 
 
 def test_tp2_receiver_writes_one_file_and_removes_it(device, monkeypatch):
     named = _weights(count=5, numel=3000)
     _, engine = receive_peak(device, named, 4096, monkeypatch)  # tensors split across buckets
-    (path,) = engine._llm.reloaded_from
+    (path,) = engine._engine.llm.reloaded_from
     assert not Path(path).exists()  # the engine's copy is gone once the TP workers reloaded
     for name, tensor in named:
-        assert torch.equal(engine._llm.model[name].cpu(), tensor), name
+        assert torch.equal(engine._engine.llm.model[name].cpu(), tensor), name
 
 
 def test_tp2_engine_reloads_the_snapshot_directory_itself(device, tmp_path, monkeypatch):
@@ -142,9 +143,9 @@ def test_tp2_engine_reloads_the_snapshot_directory_itself(device, tmp_path, monk
     written = []
     monkeypatch.setattr("megatron_rl.weight_sync.reload_files.write_shards", lambda *a, **k: written.append(a))
     Receiver().receive(SnapshotUpdate(str(tmp_path / "v1")), engine)
-    assert engine._llm.reloaded_from == [str(tmp_path / "v1")] and written == []
+    assert engine._engine.llm.reloaded_from == [str(tmp_path / "v1")] and written == []
     for name, tensor in named:
-        assert torch.equal(engine._llm.model[name].cpu(), tensor), name
+        assert torch.equal(engine._engine.llm.model[name].cpu(), tensor), name
 
 
 def test_write_shards_splits_by_size_and_reads_back_exactly(device, tmp_path):

