@@ -178,7 +178,7 @@ def _set_type_prefix(prefix: str) -> None:
 def _profile_type(self: torch.Tensor, *args: object, **kwargs: object) -> str | torch.Tensor:
     """``Tensor.type`` with the active profile's type string for emulated tensors; casts unchanged."""
     result = _ORIGINAL_TYPE(self, *args, **kwargs)
-    if args or kwargs or self.device.type != DEVICE_TYPE:
+    if not isinstance(result, str) or self.device.type != DEVICE_TYPE:  # a cast, or a host tensor
         return result
     return result.replace(f"torch.{DEVICE_TYPE}", str(_STATE["type_prefix"]), 1)
 
