@@ -44,6 +44,9 @@ def test_every_rule_cites_a_source():
             for rule in rules:
                 if dataclasses.is_dataclass(rule):
                     assert len(rule.source) > 20, (profile.name, field.name)
+    from megatron_rl.platform.emulated.__main__ import rules_table
+
+    assert "ProcessGroupHCCL.cpp checkSupportedDataType" in rules_table("npu")  # --rules npu prints it
 
 
 def test_fp64_compute_on_the_device_fails_under_npu_only():

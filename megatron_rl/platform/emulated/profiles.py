@@ -162,8 +162,9 @@ NPU_910B = Profile(
                "megatron-core compares with torch.cuda.*Tensor, MindSpeed's type_wrapper rewrites the string",
     ),
     memory=MemoryRule(capacity_bytes=64 * GIB, oom_name="NPU",
-                      source="Ascend 910B: 64 GB HBM2e per device (Atlas 800T A2 datasheet); torch_npu's "
-                             "NPUCachingAllocator raises OutOfMemoryError 'NPU out of memory. Tried to allocate'"),
+                      source="Ascend 910B: 64 GB HBM2e per device (Atlas 800T A2 datasheet); torch_npu/csrc/core/npu/"
+                             "NPUCachingAllocator.cpp: TORCH_CHECK_WITH(OutOfMemoryError, ...) 'NPU out of memory. "
+                             "Tried to allocate'"),
     host_syncs=HOST_SYNCS,
 )
 
