@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms import LossMetrics, LossSettings, loss_denominator, policy_loss
 from megatron_rl.attention.packing import pad_responses, response_mask
-from megatron_rl.pipeline.records import MicroBatch, unshare_prompts
+from megatron_rl.pipeline.records import MicroBatch
 from megatron_rl.platform.patches.moe_aux_loss_scale import router_loss_weight
 from megatron_rl.trainer.mismatch_gate import check_mismatch
 from megatron_rl.trainer.world_metrics import counts_loss, world_merged
@@ -47,7 +47,9 @@ class PolicyTrainer:
 
     def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings, shared_prompt: bool = True) -> None:
         self.trimodel, self.ddp, self.optimizer, self.loss = trimodel, ddp, optimizer, loss
-        self.shared_prompt = shared_prompt  # attention.shared_prompt: false packs K prompt copies
+        # attention.shared_prompt: false packs K prompt copies; rank 0 converts each micro-batch before
+        # it is trained or sent (rl_step.LeaderReplica: the groups it needs stay there), not here.
+        self.shared_prompt = shared_prompt
         self.device = next(ddp.parameters()).device  # the compute device every micro-step runs on
         self._reset()
 
@@ -67,8 +69,6 @@ class PolicyTrainer:
 
     def train_micro_batch(self, mb: MicroBatch) -> None:
         """Forward + backward of one packed micro-batch; gradients accumulate until the step."""
-        if not self.shared_prompt:
-            mb = unshare_prompts(mb)
         mb = mb.to(self.device)  # once per micro-batch: the loss meets only device tensors
         mask = self._counted(mb)
         share = loss_denominator(self.loss, mask)  # this micro-batch's share of D, on every PP stage

@@ -16,7 +16,10 @@ generation, it sends ``abort`` with its reason, and every follower raises it too
 
 A micro-batch for another replica travels without its ``groups`` (the ``Sample`` records it was
 packed from): the replica trains on the packed tensors, advantages, behaviour log-probs and
-versions alone, so the tokens cross the wire once.
+versions alone, so the tokens cross the wire once. Hence ``attention.shared_prompt: false`` is
+applied here, on rank 0, before a micro-batch is trained or sent (``unshare_prompts`` rebuilds
+the K-copies layout from the groups, each prompt copy with its own sample's MoE routes): every
+rank of every replica receives the layout it trains.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from megatron_rl.models import DecoderSpec, save_hf_checkpoint
 from megatron_rl.parallel.world_timeout import WorldTimeout, current_timeout_s, follower_timeout
 from megatron_rl.pipeline import MicroBatch
+from megatron_rl.pipeline.records import unshare_prompts
 from megatron_rl.rollout.types import RolloutEngine
 from megatron_rl.trainer.checkpoint import RunState, finalize, staging_dir
 from megatron_rl.trainer.data_parallel import DispatchChannel
@@ -171,6 +175,8 @@ class LeaderReplica:
             self.replica.probe.remember(mb)
         if self.replica.trainer.trimodel.stage.routing_replay:  # rank 0 sees every sample (others get no groups)
             require_routes(s for g in mb.groups for s in g.samples)
+        if not self.replica.trainer.shared_prompt:  # the K-copies layout needs the groups: only rank 0 has them
+            mb = unshare_prompts(mb)
         if mb.replica == 0:
             self._call("train_micro_batch", mb, remote=False)
         elif self.dispatch is None:
