@@ -78,8 +78,7 @@ def test_every_replica_trains_the_k_copies_layout(target):
     assert got.packed.response_lens == want.response_lens
     for field in ("advantages", "behav_logprobs", "versions"):
         assert torch.equal(getattr(got, field), getattr(mb, field))
-    # the trainer converts nothing itself: a shipped (group-less) micro-batch trains as it is
-    assert got.packed.layout.groups == want.layout.groups
+    assert got.packed.layout.groups == want.layout.groups  # one plain causal sequence per response
 
 
 def test_shared_prompt_micro_batches_go_out_unchanged():
