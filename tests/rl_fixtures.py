@@ -105,10 +105,13 @@ def recording_factory(settings):
     return RecordingEngine(build_engine(settings))
 
 
-# Training tests run on the emulated accelerator: device tensors on ``emulated:<rank>``, host
-# tensors refused in device ops and in the ``eccl`` collectives, as on CUDA / NPU
-# (``megatron_rl.platform.emulated``); ``MEGATRON_RL_PLATFORM=cpu`` overrides it for debugging.
-TRAIN_PLATFORM = "emulated"
+# Training tests run on the emulated accelerator under the Ascend 910B profile (the first target):
+# device tensors on ``emulated:<rank>``, host tensors refused in device ops and in the ``eccl``
+# collectives, no float64 computed on the device, HCCL's collective dtypes, ``torch.npu.*`` type
+# names and the NPU adaptor path (``megatron_rl.platform.emulated.profiles``). A handful of tests
+# run under CUDA's rules (``CUDA_PLATFORM``); ``MEGATRON_RL_PLATFORM=cpu`` overrides both for debugging.
+TRAIN_PLATFORM = "emulated-npu"
+CUDA_PLATFORM = "emulated"
 
 
 def train_run(config_path: str, overrides: list[str] = (), replay: str | None = None) -> list[dict]:
