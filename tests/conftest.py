@@ -50,3 +50,17 @@ def pytest_configure(config: pytest.Config) -> None:
         from tests.distributed import start_forkserver
 
         start_forkserver()  # in the background, before a RewardPool could start it with less
+
+
+@pytest.fixture(scope="session")
+def device():
+    """``emulated:0``, the emulated accelerator's first device (for single-process device tests)."""
+    import torch
+
+    from megatron_rl.platform import emulated
+
+    try:
+        emulated.load()
+    except (OSError, RuntimeError, ImportError) as err:  # no compiler for the extension
+        pytest.skip(f"emulated device unavailable: {err}")
+    return torch.device("emulated:0")

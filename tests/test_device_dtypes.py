@@ -25,17 +25,6 @@ from megatron_rl.trainer.world_metrics import to_host
 from tests.device_op_rules import DeviceOpRecorder
 
 
-@pytest.fixture(scope="module")
-def device():
-    from megatron_rl.platform import emulated
-
-    try:
-        emulated.load()
-    except (OSError, RuntimeError, ImportError) as err:  # no compiler for the extension
-        pytest.skip(f"emulated device unavailable: {err}")
-    return torch.device("emulated:0")
-
-
 def _exact_k3(x: float) -> float:
     """exp(x) − 1 − x in 60-digit decimal arithmetic, rounded once to a float."""
     with decimal.localcontext() as ctx:

@@ -5,7 +5,6 @@ device tensors to host explicitly; every byte arrives unchanged."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_rl.weight_sync import TensorSource
@@ -13,17 +12,6 @@ from megatron_rl.weight_sync.buckets import BufferRing, TensorSpec, Unpacker, pa
 from megatron_rl.weight_sync.group import buffer_device
 from megatron_rl.weight_sync.shared_memory import SharedWeightsWriter, read_shared
 from megatron_rl.weight_sync.snapshot import read_snapshot
-
-
-@pytest.fixture(scope="module")
-def device():
-    from megatron_rl.platform import emulated
-
-    try:
-        emulated.load()
-    except (OSError, RuntimeError, ImportError) as err:  # no compiler for the extension
-        pytest.skip(f"emulated device unavailable: {err}")
-    return torch.device("emulated:0")
 
 
 def _tensors(device):

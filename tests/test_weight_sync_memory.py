@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from megatron_rl.weight_sync import broadcast
@@ -23,17 +22,6 @@ from megatron_rl.weight_sync.snapshot import read_snapshot
 
 MB = 1 << 20
 BUCKET = 2 * MB
-
-
-@pytest.fixture(scope="module")
-def device():
-    from megatron_rl.platform import emulated
-
-    try:
-        emulated.load()
-    except (OSError, RuntimeError, ImportError) as err:  # no compiler for the extension
-        pytest.skip(f"emulated device unavailable: {err}")
-    return torch.device("emulated:0")
 
 
 class _Done:
