@@ -5,6 +5,11 @@ megatron-core's ``GPTModel`` derives RoPE angles from the sequence length alone 
 every response restarts at len(prompt). ``PositionIndexedRotary`` wraps the model's
 ``RotaryEmbedding`` and returns the angles of the position ids given to ``forward``;
 with positions 0..s-1 it is identical to the stock behaviour.
+
+Every layout built here (shared-prompt packing, K copies, plain sequences) gives a token a position
+no larger than its index in the sequence, so the angle table for ``max_seq_len`` (the sequence
+length megatron passes) covers every position: no device->host read of ``max(position_ids)`` per
+forward (a host sync on an accelerator).
 """
 from __future__ import annotations
 
@@ -30,5 +35,5 @@ class PositionIndexedRotary(torch.nn.Module):
             if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
                 raise ValueError("position ids must be equal across the batch (packed inputs use batch size 1)")
             pos = pos[0]
-        table = self.inner(int(pos.max()) + 1)  # [max_pos + 1, 1, 1, d]
+        table = self.inner(max_seq_len)  # [max_seq_len, 1, 1, d]: every position is below max_seq_len
         return table[pos]
