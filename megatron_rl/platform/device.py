@@ -121,9 +121,10 @@ def setup_platform(requested: str = "auto") -> Platform:
         apply_cpu_patches(platform.device)
     else:
         torch.cuda.set_device(platform.local_rank)
-    from megatron_rl.platform.patches import recompute_context
+    from megatron_rl.platform.patches import cross_entropy_sync, recompute_context
 
     recompute_context.apply()  # every platform: recompute must see the packed attention layout
+    cross_entropy_sync.apply()  # every platform: no host sync in the vocab-parallel log-probs
     _APPLIED["platform"] = platform
     if os.environ.get("RANK", "0") == "0":
         print(f"megatron_rl: platform {platform.name} (device {platform.device}, "
