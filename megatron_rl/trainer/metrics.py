@@ -217,12 +217,30 @@ def count_devices(world_size: int, engine_devices: Sequence[str], num_engines: i
 
 
 def format_step(step: int, metrics: Mapping[str, float]) -> str:
-    """One console line per step."""
-    loss = f" loss {metrics['loss/value']:.4f}" if "loss/value" in metrics else ""
+    """One console line per step: reward, what the update did (grad norm, clipped share of tokens,
+    KL to the reference or to the old policy, trainer-engine mismatch), G, time and throughput.
+    GRPO's loss is ~0 by construction (advantages are centred per group), so it stays in the
+    metrics, not on the line."""
     rate = metrics.get("throughput/tokens_per_s_per_device")
     rate = f" {rate:.1f} tok/s/dev" if rate is not None else ""
-    return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{loss} "
+    return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{_update(metrics)} "
             f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s{rate}{_turns(metrics)}")
+
+
+def _update(metrics: Mapping[str, float]) -> str:
+    """What moved in the step's update ('' for a step that did not train, e.g. rollout-only)."""
+    m, parts = metrics, []
+    if "loss/grad_norm" in m:
+        parts.append(f"gnorm {m['loss/grad_norm']:.3g}")
+    if "loss/clip_frac_low" in m:
+        parts.append(f"clip {m['loss/clip_frac_low'] + m.get('loss/clip_frac_high', 0.0):.1%}")
+    if "loss/kl_ref" in m:
+        parts.append(f"kl_ref {m['loss/kl_ref']:.2g}")
+    elif "loss/approx_kl_old" in m:
+        parts.append(f"kl_old {m['loss/approx_kl_old']:.2g}")
+    if "mismatch/kl_k3" in m:
+        parts.append(f"mismatch {m['mismatch/kl_k3']:.2g}")
+    return "".join(f" {p}" for p in parts)
 
 
 def _turns(metrics: Mapping[str, float]) -> str:
