@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # The platform's environment for a training launch, sourced by examples/launch.sh and
 # examples/launch_msrun.sh. Every variable keeps a value the caller already exported.
-#   PLATFORM        npu | cuda | cpu | emulated | auto (default: npu-smi present -> npu, nvidia-smi -> cuda, else cpu)
+#   PLATFORM        npu | cuda | cpu | emulated | emulated-npu | auto (default: npu-smi present -> npu, nvidia-smi -> cuda, else cpu)
 #   SOCKET_IFNAME   network interface of the cluster network (eth0, bond0, ...): sets HCCL_/NCCL_/GLOO_SOCKET_IFNAME
 #   NODE_IP         this node's address on that network: sets HCCL_IF_IP (Ascend)
 #   DEVICES_PER_NODE  accelerators per node; ENGINE_DEVICES: how many devices the rollout engines take
@@ -76,9 +76,9 @@ case $PLATFORM in
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     ;;
-  cpu | emulated) ;;  # emulated: the test suite's accelerator on the CPU (megatron_rl.platform.emulated)
+  cpu | emulated | emulated-npu) ;;  # the test suite's accelerator on the CPU, CUDA's or a 910B's rules (megatron_rl.platform.emulated)
   *)
-    echo "PLATFORM must be npu, cuda, cpu, emulated or auto, got '$PLATFORM'" >&2
+    echo "PLATFORM must be npu, cuda, cpu, emulated, emulated-npu or auto, got '$PLATFORM'" >&2
     exit 2
     ;;
 esac
