@@ -100,3 +100,14 @@ def test_weaker_mode_without_user_namespaces(monkeypatch, caplog):
         assert sum("WITHOUT network isolation" in r.getMessage() for r in caplog.records) == 1  # logged once
     finally:
         setup.cache_clear()
+
+
+def test_a_returned_uid_is_taken_last():
+    """A killed run's processes (a fork bomb's, dying in their PID namespace) can still count against
+    its uid's RLIMIT_NPROC: the next run must get another uid ("unshare: fork failed" otherwise)."""
+    from megatron_rl.environments.sandbox import _UidPool
+
+    pool = _UidPool()
+    first = pool.take()
+    pool.give(first)
+    assert pool.take() != first

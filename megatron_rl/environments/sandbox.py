@@ -138,7 +138,9 @@ class _UidPool:
         with self._lock:
             self._refill_if_forked()
             if self._base() <= uid < self._base() + UID_COUNT and uid not in self._free:
-                self._free.append(uid)
+                # Least recently returned first: a killed run's processes (a fork bomb's, dying in
+                # their PID namespace) may still count against its uid's RLIMIT_NPROC for a while.
+                self._free.insert(0, uid)
 
 
 _UIDS = _UidPool()
