@@ -49,8 +49,13 @@ def _block_lists(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_block_plan(
-    group_start: torch.Tensor, prefix_end: torch.Tensor, seg_start: torch.Tensor,
-    *, block_m: int, block_n: int, device: torch.device | str,
+    group_start: torch.Tensor,
+    prefix_end: torch.Tensor,
+    seg_start: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: int,
+    device: torch.device | str,
 ) -> BlockPlan:
     """Which ``block_n`` key blocks each ``block_m`` query block can see (and the transpose)."""
     t = group_start.numel()
@@ -73,9 +78,15 @@ def build_block_plan(
         return x.to(device=device, dtype=torch.int32).contiguous()
 
     return BlockPlan(
-        block_m=block_m, block_n=block_n, group_start=dev(group_start), prefix_end=dev(prefix_end),
-        seg_start=dev(seg_start), kv_blocks=dev(kv_blocks), kv_count=dev(kv_count),
-        q_blocks=dev(q_blocks), q_count=dev(q_count),
+        block_m=block_m,
+        block_n=block_n,
+        group_start=dev(group_start),
+        prefix_end=dev(prefix_end),
+        seg_start=dev(seg_start),
+        kv_blocks=dev(kv_blocks),
+        kv_count=dev(kv_count),
+        q_blocks=dev(q_blocks),
+        q_count=dev(q_count),
     )
 
 
@@ -90,18 +101,40 @@ def _allowed(offs_m, offs_n, gs, pe, ss, T):
 @triton.jit
 def _load_rows(ptr, offs, head, stride_t, stride_h, T, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
-    x = tl.load(ptr + offs.to(tl.int64)[:, None] * stride_t + head * stride_h + d[None, :],
-                mask=(offs < T)[:, None], other=0.0)
+    x = tl.load(
+        ptr + offs.to(tl.int64)[:, None] * stride_t + head * stride_h + d[None, :], mask=(offs < T)[:, None], other=0.0
+    )
     if UPCAST:
         x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, GS, PE, SS, KV_BLOCKS, KV_COUNT,
-                stride_qt, stride_qh, stride_kt, stride_kh, T, scale, H_RATIO, MAX_KV,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    GS,
+    PE,
+    SS,
+    KV_BLOCKS,
+    KV_COUNT,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    T,
+    scale,
+    H_RATIO,
+    MAX_KV,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     qb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // H_RATIO
@@ -129,16 +162,42 @@ def _fwd_kernel(Q, K, V, Out, LSE, GS, PE, SS, KV_BLOCKS, KV_COUNT,
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < T
-    tl.store(Out + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
-             (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        Out + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        (acc / l_safe[:, None]).to(Out.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     tl.store(LSE + h * T + offs_m, m_i + tl.log(l_safe), mask=row_ok)
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, GS, PE, SS, KV_BLOCKS, KV_COUNT,
-                   stride_qt, stride_qh, stride_kt, stride_kh, T, scale, H_RATIO, MAX_KV,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    GS,
+    PE,
+    SS,
+    KV_BLOCKS,
+    KV_COUNT,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    T,
+    scale,
+    H_RATIO,
+    MAX_KV,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     qb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // H_RATIO
@@ -162,15 +221,42 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, GS, PE, SS, KV_BLOCKS, KV_COUNT,
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     d = tl.arange(0, HEAD_DIM)
-    tl.store(DQ + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        DQ + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, GS, PE, SS, Q_BLOCKS, Q_COUNT,
-                     stride_qt, stride_qh, stride_kt, stride_kh, T, scale, H_RATIO, MAX_Q,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    GS,
+    PE,
+    SS,
+    Q_BLOCKS,
+    Q_COUNT,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    T,
+    scale,
+    H_RATIO,
+    MAX_Q,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     kb = tl.program_id(0)
     h = tl.program_id(1)  # query head; DK/DV are per query head [T, Hq, D], strided like Q
     kvh = h // H_RATIO
@@ -215,10 +301,30 @@ class _SharedPromptFlash(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(hq, t, device=q.device, dtype=torch.float32)
         grid = (plan.kv_count.numel(), hq)
-        _fwd_kernel[grid](q, k, v, out, lse, plan.group_start, plan.prefix_end, plan.seg_start,
-                          plan.kv_blocks, plan.kv_count, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                          t, scale, ratio, plan.kv_blocks.shape[1], BLOCK_M=plan.block_m,
-                          BLOCK_N=plan.block_n, HEAD_DIM=d, **_launch_options(q.dtype))
+        _fwd_kernel[grid](
+            q,
+            k,
+            v,
+            out,
+            lse,
+            plan.group_start,
+            plan.prefix_end,
+            plan.seg_start,
+            plan.kv_blocks,
+            plan.kv_count,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            t,
+            scale,
+            ratio,
+            plan.kv_blocks.shape[1],
+            BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
+            HEAD_DIM=d,
+            **_launch_options(q.dtype),
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out
@@ -238,11 +344,36 @@ class _SharedPromptFlash(torch.autograd.Function):
         masks = (plan.group_start, plan.prefix_end, plan.seg_start)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), t, ctx.scale, hq // hkv)
         _bwd_dq_kernel[(plan.kv_count.numel(), hq)](
-            q, k, v, dout, dq, lse, delta, *masks, plan.kv_blocks, plan.kv_count, *strides,
-            plan.kv_blocks.shape[1], **common)
+            q,
+            k,
+            v,
+            dout,
+            dq,
+            lse,
+            delta,
+            *masks,
+            plan.kv_blocks,
+            plan.kv_count,
+            *strides,
+            plan.kv_blocks.shape[1],
+            **common,
+        )
         _bwd_dkdv_kernel[(plan.q_count.numel(), hq)](
-            q, k, v, dout, dk_h, dv_h, lse, delta, *masks, plan.q_blocks, plan.q_count, *strides,
-            plan.q_blocks.shape[1], **common)
+            q,
+            k,
+            v,
+            dout,
+            dk_h,
+            dv_h,
+            lse,
+            delta,
+            *masks,
+            plan.q_blocks,
+            plan.q_count,
+            *strides,
+            plan.q_blocks.shape[1],
+            **common,
+        )
         dk = dk_h.view(t, hkv, hq // hkv, d).sum(2).to(k.dtype)
         dv = dv_h.view(t, hkv, hq // hkv, d).sum(2).to(v.dtype)
         return dq, dk, dv, None, None

@@ -47,12 +47,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _add_run_commands(sub) -> None:
     """``train`` (and ``--rollout-only``) and ``replay``."""
     from megatron_rl.platform.device import PLATFORMS
+
     train = sub.add_parser("train", help="run RL training from a YAML config")
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="a.b.c=value overrides")
     train.add_argument("--platform", default="auto", choices=PLATFORMS)
-    train.add_argument("--rollout-only", action="store_true",
-                       help="generate and score trainer.steps batches without training (rollout.record saves them)")
+    train.add_argument(
+        "--rollout-only",
+        action="store_true",
+        help="generate and score trainer.steps batches without training (rollout.record saves them)",
+    )
     replay = sub.add_parser("replay", help="train on the groups a run recorded with rollout.record (no engine)")
     replay.add_argument("config", help="YAML config file (the recording run's, or a variant)")
     replay.add_argument("recording", help="JSONL written by rollout.record")
@@ -67,12 +71,24 @@ def _add_tool_commands(sub) -> None:
     from megatron_rl.rollout.serve import add_arguments as add_serve_arguments
 
     for name, help_, config_help, add in (
-        ("bench", "measure throughput: e2e loop, trainer alone or engines alone (JSON line)",
-         "YAML config file (see examples/)", add_bench_arguments),
-        ("plan", "print ranks, engines and memory per training device; refuse what does not fit",
-         "YAML config file (see examples/recipes/)", add_plan_arguments),
-        ("serve", "run this node's rollout engines for the dispatcher on global rank 0",
-         "YAML config file (the training run's)", add_serve_arguments),
+        (
+            "bench",
+            "measure throughput: e2e loop, trainer alone or engines alone (JSON line)",
+            "YAML config file (see examples/)",
+            add_bench_arguments,
+        ),
+        (
+            "plan",
+            "print ranks, engines and memory per training device; refuse what does not fit",
+            "YAML config file (see examples/recipes/)",
+            add_plan_arguments,
+        ),
+        (
+            "serve",
+            "run this node's rollout engines for the dispatcher on global rank 0",
+            "YAML config file (the training run's)",
+            add_serve_arguments,
+        ),
     ):
         command = sub.add_parser(name, help=help_)
         command.add_argument("config", help=config_help)
@@ -81,9 +97,12 @@ def _add_tool_commands(sub) -> None:
     check = sub.add_parser("check-config", help="load and validate a config, print it resolved")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
-    check.add_argument("--no-files", action="store_true",
-                       help="skip the data file, tokenizer and dotted-path checks (e.g. a recipe whose model "
-                       "and data live on the cluster)")
+    check.add_argument(
+        "--no-files",
+        action="store_true",
+        help="skip the data file, tokenizer and dotted-path checks (e.g. a recipe whose model "
+        "and data live on the cluster)",
+    )
 
 
 def _run(cfg, args: argparse.Namespace) -> int:
@@ -96,9 +115,11 @@ def _run(cfg, args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return 0
     if args.command in ("serve", "plan", "bench"):
-        module, function = {"serve": ("megatron_rl.rollout.serve", "serve_command"),
-                            "plan": ("megatron_rl.plan.command", "plan_command"),
-                            "bench": ("megatron_rl.bench.runner", "bench_command")}[args.command]
+        module, function = {
+            "serve": ("megatron_rl.rollout.serve", "serve_command"),
+            "plan": ("megatron_rl.plan.command", "plan_command"),
+            "bench": ("megatron_rl.bench.runner", "bench_command"),
+        }[args.command]
         return getattr(importlib.import_module(module), function)(cfg, args)
     if args.command == "train" and args.rollout_only:
         from megatron_rl.trainer.rollout_only import generate_only

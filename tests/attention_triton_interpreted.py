@@ -73,8 +73,7 @@ def _visible_blocks(case: Case, block: int) -> torch.Tensor:
 @pytest.mark.parametrize("case", TINY, ids=lambda c: c.name)
 def test_block_plan_visits_exactly_the_unmasked_blocks(case: Case) -> None:
     layout = AttentionLayout.from_lengths(case.prompt_lens, case.response_lens)
-    plan = build_block_plan(layout.group_start, layout.prefix_end, layout.seg_start,
-                            block_m=8, block_n=8, device="cpu")
+    plan = build_block_plan(layout.group_start, layout.prefix_end, layout.seg_start, block_m=8, block_n=8, device="cpu")
     want = _visible_blocks(case, 8)
     got = torch.zeros_like(want)
     for qb, (row, count) in enumerate(zip(plan.kv_blocks, plan.kv_count, strict=True)):

@@ -23,7 +23,7 @@ def _names(func: object) -> set[str]:
 def _calls_a_process_starter(item: pytest.Item) -> bool:
     funcs = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+    for defs in info.name2fixturedefs.values() if info is not None else ():
         funcs += [d.func for d in defs]
     # one level down: module-level helpers the test or its fixtures call (e.g. a `_pool` or `_run`)
     module = vars(getattr(item, "module", None) or object)

@@ -21,12 +21,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 _aten = torch.ops.aten
-DATA_DEPENDENT = frozenset({
-    _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten.unique_dim.default,
-    _aten.unique_consecutive.default, _aten.repeat_interleave.Tensor,
-})
-BOOL_INDEXED = frozenset({_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
-                          _aten._index_put_impl_.default})
+DATA_DEPENDENT = frozenset(
+    {
+        _aten.nonzero.default,
+        _aten.masked_select.default,
+        _aten._unique2.default,
+        _aten.unique_dim.default,
+        _aten.unique_consecutive.default,
+        _aten.repeat_interleave.Tensor,
+    }
+)
+BOOL_INDEXED = frozenset(
+    {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+)
 HOST_READS = frozenset({_aten._local_scalar_dense.default, _aten.is_nonzero.default})
 
 
@@ -45,8 +52,13 @@ def _bool_index(func, args) -> bool:
         return bool(masks)
     value, accumulate = args[2], len(args) > 3 and bool(args[3])
     defined = [i for i in args[1] if i is not None]
-    fill = (len(defined) == 1 and masks[0].device == args[0].device and value.numel() == 1
-            and value.device.type == "cpu" and not accumulate)
+    fill = (
+        len(defined) == 1
+        and masks[0].device == args[0].device
+        and value.numel() == 1
+        and value.device.type == "cpu"
+        and not accumulate
+    )
     return not fill
 
 

@@ -37,9 +37,16 @@ def free_port() -> int:
 # server that imported these once instead. Libraries, and of ours only what reads nothing at import.
 PRELOAD = (
     "megatron_rl",  # first: its import silences megatron-core's import-time warnings
-    "torch", "torch.distributed", "safetensors.torch", "megatron.core.parallel_state",
-    "megatron.core.tensor_parallel", "megatron.core.models.gpt", "megatron.core.optimizer",
-    "megatron.core.distributed", "transformers", "transformers.models.llama.modeling_llama",
+    "torch",
+    "torch.distributed",
+    "safetensors.torch",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
     "megatron_rl.rewards.pool",  # what RewardPool preloads when it starts the server itself
 )
 
@@ -56,8 +63,18 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-           env: dict[str, str], cwd: str, path: list[str], output: str) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    env: dict[str, str],
+    cwd: str,
+    path: list[str],
+    output: str,
+) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -90,8 +107,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0,
-                    fresh: bool = False) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, fresh: bool = False
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     ``fresh``: each rank is a new interpreter (spawned, ~10 s slower) instead of a fork of the
@@ -109,8 +127,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     for log in logs:
         log.touch()
     # Not daemonic: a rank may start processes of its own (rollout engine workers).
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, env, cwd, path, str(logs[r])),
-                         daemon=False) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, fn, args, queue, env, cwd, path, str(logs[r])), daemon=False
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

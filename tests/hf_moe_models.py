@@ -19,15 +19,38 @@ def tiny_moe_config(family: str, *, layers: int = 4, experts: int = 4):
     """A small HF MoE config of ``family`` (GQA: 4 query heads, 2 KV heads, head_dim 32)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=300, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  rope_theta=10000.0, num_experts_per_tok=2)
+    common = dict(
+        vocab_size=300,
+        hidden_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        num_experts_per_tok=2,
+    )
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(head_dim=32, intermediate_size=96, moe_intermediate_size=64, num_experts=experts,
-                              norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, **common)
+        return Qwen3MoeConfig(
+            head_dim=32,
+            intermediate_size=96,
+            moe_intermediate_size=64,
+            num_experts=experts,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            decoder_sparse_step=1,
+            **common,
+        )
     if family == "qwen2_moe":
-        return Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                              num_experts=experts, norm_topk_prob=False, **common)
+        return Qwen2MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            num_experts=experts,
+            norm_topk_prob=False,
+            **common,
+        )
     if family == "mixtral":
         return MixtralConfig(head_dim=32, intermediate_size=64, num_local_experts=experts, **common)
     raise ValueError(family)
@@ -38,8 +61,9 @@ def make_tiny_moe(path: Path, family: str = "qwen3_moe", *, seed: int = 0, layer
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_moe_config(family, layers=layers, experts=experts),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        tiny_moe_config(family, layers=layers, experts=experts), dtype=torch.float32
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -35,8 +35,15 @@ def sample_tokens(seed: int, version: int) -> tuple[tuple[int, ...], tuple[float
 class FakeEngine:
     """Deterministic ``RolloutEngine`` with shuffled completion order, delays and failures."""
 
-    def __init__(self, *, version: int = 0, order_seed: int = 0, delay_s: float = 0.0,
-                 fail_after: int | None = None, block_after: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        version: int = 0,
+        order_seed: int = 0,
+        delay_s: float = 0.0,
+        fail_after: int | None = None,
+        block_after: int | None = None,
+    ) -> None:
         self._version, self._lock = version, threading.Lock()
         self.order_seed, self.delay_s, self.fail_after, self.block_after = order_seed, delay_s, fail_after, block_after
         self.calls: list[tuple[int, int]] = []  # (step of the requests, engine version at the call)
@@ -78,8 +85,12 @@ class FakeEngine:
         version = self.weight_version
         tokens, logprobs = sample_tokens(req.sampling.seed, version)
         return GenerationResult(
-            request_id=req.request_id, prompt_ids=req.prompt_ids, response_ids=tokens, logprobs=logprobs,
-            finish_reason="length" if len(tokens) == MAX_NEW_TOKENS else "stop", weight_version=version,
+            request_id=req.request_id,
+            prompt_ids=req.prompt_ids,
+            response_ids=tokens,
+            logprobs=logprobs,
+            finish_reason="length" if len(tokens) == MAX_NEW_TOKENS else "stop",
+            weight_version=version,
         )
 
 
@@ -99,8 +110,10 @@ class FakePrompts:
     """Consecutive slices of ``ids`` (cyclic), with a ``state_dict``."""
 
     def __init__(self, ids: list[str], per_batch: int) -> None:
-        self.items = [FakeItem(record=FakeRecord(prompt_id=p), token_ids=(1, 2 + i % 5, 7)[: 1 + i % 3])
-                      for i, p in enumerate(ids)]
+        self.items = [
+            FakeItem(record=FakeRecord(prompt_id=p), token_ids=(1, 2 + i % 5, 7)[: 1 + i % 3])
+            for i, p in enumerate(ids)
+        ]
         self.per_batch, self.position = per_batch, 0
 
     def next_batch(self) -> list[FakeItem]:
@@ -130,8 +143,15 @@ class FakeTrainer:
     batch v-1+k (while it is < batches) has come out, so stale mode runs exactly k batches ahead
     whatever else the machine is doing (a sleeping trainer only makes it likely)."""
 
-    def __init__(self, engine: FakeEngine, *, sleep_s: float = 0.0, fail_micro_at: int | None = None,
-                 fail_finish_at: int | None = None, lead: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        engine: FakeEngine,
+        *,
+        sleep_s: float = 0.0,
+        fail_micro_at: int | None = None,
+        fail_finish_at: int | None = None,
+        lead: tuple[int, int] | None = None,
+    ) -> None:
         self.engine, self.sleep_s, self.lead = engine, sleep_s, lead
         self.fail_micro_at, self.fail_finish_at = fail_micro_at, fail_finish_at
         self.micro_batches: list[MicroBatch] = []
@@ -158,8 +178,7 @@ class FakeTrainer:
         return version
 
 
-def hold_until_ahead(results: list, version: int, *, lead: int, batches: int, count: int = 1,
-                     timeout_s: float) -> None:
+def hold_until_ahead(results: list, version: int, *, lead: int, batches: int, count: int = 1, timeout_s: float) -> None:
     """Before an engine moves from version v-1 to ``version`` = v: block until ``results`` (appended
     to by the producer's thread) hold ``count`` results of batch v-1+``lead``, all sampled at v-1,
     so stale mode runs exactly ``lead`` batches ahead however the cores are shared. Nothing to wait
@@ -170,8 +189,10 @@ def hold_until_ahead(results: list, version: int, *, lead: int, batches: int, co
     give_up = time.monotonic() + timeout_s
     while sum(int(r.request_id.split("/")[0]) == ahead for r in list(results)) < count:
         if time.monotonic() > give_up:
-            raise TimeoutError(f"fewer than {count} results of batch {ahead} after {timeout_s:.0f} s at version "
-                               f"{version - 1}: the producer did not run {lead} batches ahead")
+            raise TimeoutError(
+                f"fewer than {count} results of batch {ahead} after {timeout_s:.0f} s at version "
+                f"{version - 1}: the producer did not run {lead} batches ahead"
+            )
         time.sleep(0.002)
 
 
@@ -190,19 +211,44 @@ def train_one_step(pipe: Pipeline, trainer) -> BatchSummary:
         raise
 
 
-def make_pipeline(engine, *, mode="periodic", max_staleness=0, prompts=None, controller=None, num_steps=3,
-                  queue_size=64, dynamic_sampling=False, tokens=4096, flush_when_idle=True,
-                  reward_fn=parity_reward, mini_batches=1, record=None) -> Pipeline:
+def make_pipeline(
+    engine,
+    *,
+    mode="periodic",
+    max_staleness=0,
+    prompts=None,
+    controller=None,
+    num_steps=3,
+    queue_size=64,
+    dynamic_sampling=False,
+    tokens=4096,
+    flush_when_idle=True,
+    reward_fn=parity_reward,
+    mini_batches=1,
+    record=None,
+) -> Pipeline:
     """A pipeline over 6 prompts per batch (G = 4 unless ``controller`` says otherwise)."""
     return Pipeline(
-        engine=engine, prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
-        reward_fn=reward_fn, detokenize=detokenize, controller=controller or FixedController(4),
+        engine=engine,
+        prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
+        reward_fn=reward_fn,
+        detokenize=detokenize,
+        controller=controller or FixedController(4),
         sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS),
         scoring=GroupScoring(dynamic_sampling=dynamic_sampling),
-        settings=PipelineSettings(mode=mode, max_staleness=max_staleness, queue_size=queue_size, seed=7,
-                                  micro_batch_tokens=tokens, flush_when_idle=flush_when_idle, poll_s=0.01,
-                                  mini_batches=mini_batches, join_timeout_s=5.0),
-        num_steps=num_steps, record=record,
+        settings=PipelineSettings(
+            mode=mode,
+            max_staleness=max_staleness,
+            queue_size=queue_size,
+            seed=7,
+            micro_batch_tokens=tokens,
+            flush_when_idle=flush_when_idle,
+            poll_s=0.01,
+            mini_batches=mini_batches,
+            join_timeout_s=5.0,
+        ),
+        num_steps=num_steps,
+        record=record,
     )
 
 
@@ -213,6 +259,7 @@ def producer_threads() -> list[threading.Thread]:
 @contextlib.contextmanager
 def deadline(seconds: int):
     """Fail (TimeoutError in the main thread) instead of hanging past ``seconds``."""
+
     def on_alarm(signum, frame):
         raise TimeoutError(f"test ran past {seconds} s: the pipeline probably hangs")
 

@@ -26,8 +26,13 @@ def tiny_rl_config(tmp: Path, model: Path, **sections) -> Path:
         "rollout": {"engine": "hf", "num_engines": 1, "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": 3}},
         "pipeline": {"mode": "periodic", "micro_batch_tokens": 256},
         "control": {"kind": "fixed", "group_size": 4},
-        "data": {"source": "reasoning_gym:basic_arithmetic", "size": 32, "seed": 1, "chat_template": False,
-                 "max_prompt_tokens": 200},
+        "data": {
+            "source": "reasoning_gym:basic_arithmetic",
+            "size": 32,
+            "seed": 1,
+            "chat_template": False,
+            "max_prompt_tokens": 200,
+        },
         "reward": {"fn": "exact_match"},
         "trainer": {"steps": 3, "prompts_per_batch": 3, "lr": 1e-3, "seed": 5},
     }
@@ -94,8 +99,9 @@ class LeadHoldingEngine(RecordingEngine):
     def load_weights(self, update, version: int) -> None:
         from tests.pipeline_fakes import hold_until_ahead
 
-        hold_until_ahead(RECORDED, version, lead=self.lead, batches=self.batches, count=self.results,
-                         timeout_s=self.timeout_s)
+        hold_until_ahead(
+            RECORDED, version, lead=self.lead, batches=self.batches, count=self.results, timeout_s=self.timeout_s
+        )
         super().load_weights(update, version)
 
 
@@ -167,8 +173,8 @@ def teacher_forced_logprobs(model_dir, pairs) -> list[list[float]]:
     for prompt, response in pairs:
         ids = torch.tensor([tuple(prompt) + tuple(response)])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(prompt) - 1:-1].double()
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1).tolist())
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).tolist())
     return out
 
 

@@ -75,12 +75,21 @@ class EchoBackend:
             _maybe_fault(r.request_id)
             time.sleep(FAULT_DELAY_S)
             response = echo_response(r.prompt_ids, r.sampling.max_new_tokens, r.sampling.seed or 0)
-            yield GenerationResult(request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=response,
-                                   logprobs=(-1.0,) * len(response), finish_reason="length",
-                                   weight_version=weight_version)
+            yield GenerationResult(
+                request_id=r.request_id,
+                prompt_ids=r.prompt_ids,
+                response_ids=response,
+                logprobs=(-1.0,) * len(response),
+                finish_reason="length",
+                weight_version=weight_version,
+            )
 
 
 def echo_specs(tmp_path, n: int, **env: str) -> list[WorkerSpec]:
     """``n`` CPU worker specs running ``EchoBackend`` with the fault variables ``env``."""
-    return [WorkerSpec(index=i, backend=BACKEND, model_path=str(tmp_path), device=DeviceAssignment(kind="cpu"),
-                       env=dict(env)) for i in range(n)]
+    return [
+        WorkerSpec(
+            index=i, backend=BACKEND, model_path=str(tmp_path), device=DeviceAssignment(kind="cpu"), env=dict(env)
+        )
+        for i in range(n)
+    ]

@@ -35,8 +35,8 @@ def trainer_update(hf_dir: str, snap_dir: str, prompts: list[tuple[int, ...]], m
         for _ in range(max_new):
             logits = forward_logits(model, ids[None], vocab_size=spec.vocab_size)[0, -1]
             ids = torch.cat([ids, logits.argmax()[None]])
-        lps = forward_logprobs(model, ids[None], vocab_size=spec.vocab_size, temperature=1.0)[0, len(prompt) - 1:]
-        out.append((tuple(ids[len(prompt):].tolist()), lps.tolist()))
+        lps = forward_logprobs(model, ids[None], vocab_size=spec.vocab_size, temperature=1.0)[0, len(prompt) - 1 :]
+        out.append((tuple(ids[len(prompt) :].tolist()), lps.tolist()))
     return out
 
 
@@ -48,9 +48,9 @@ def hf_teacher_forced_logprobs(hf_dir, prompt: tuple[int, ...], response: tuple[
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
     t = temperature if temperature > 0 else 1.0
-    logprobs = torch.log_softmax(logits / t, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+    logprobs = torch.log_softmax(logits / t, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
     return logprobs, logits.argmax(-1)
 
 
@@ -59,20 +59,36 @@ def engine_settings(backend: str, hf_dir, **extra) -> EngineSettings:
     pool's routing and restarts); vllm, one worker on the last core with a small KV cache."""
     if backend == "hf":
         cores = sorted(os.sched_getaffinity(0))
-        return EngineSettings(dtype="float32", engine="hf", model_path=str(hf_dir), num_engines=2,
-                              devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"), max_batch_size=3, **extra)
-    return EngineSettings(engine="vllm", dtype="float32", model_path=str(hf_dir), num_engines=1,
-                          devices=(f"cpu:{max(os.sched_getaffinity(0))}",), max_batch_size=4,
-                          worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
-                          vllm={"max_model_len": 128}, **extra)
+        return EngineSettings(
+            dtype="float32",
+            engine="hf",
+            model_path=str(hf_dir),
+            num_engines=2,
+            devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"),
+            max_batch_size=3,
+            **extra,
+        )
+    return EngineSettings(
+        engine="vllm",
+        dtype="float32",
+        model_path=str(hf_dir),
+        num_engines=1,
+        devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
+        max_batch_size=4,
+        worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        vllm={"max_model_len": 128},
+        **extra,
+    )
 
 
 def request(rid: str, prompt: tuple[int, ...], *, temperature=1.0, top_p=1.0, max_new=8, stop=(), seed=None):
     """A ``GenerationRequest`` with the given sampling settings."""
     return GenerationRequest(
-        request_id=rid, prompt_ids=prompt,
-        sampling=SamplingSettings(temperature=temperature, top_p=top_p, max_new_tokens=max_new,
-                                  stop_token_ids=tuple(stop), seed=seed),
+        request_id=rid,
+        prompt_ids=prompt,
+        sampling=SamplingSettings(
+            temperature=temperature, top_p=top_p, max_new_tokens=max_new, stop_token_ids=tuple(stop), seed=seed
+        ),
     )
 
 
@@ -113,8 +129,9 @@ def make_sender(engine, transport: str, named_tensors, scratch, *, bucket_mb: in
 
     from megatron_rl.weight_sync import SenderSetup, TensorSource, build_sender
 
-    setup = SenderSetup(source=TensorSource(named_tensors), engine=engine, scratch=Path(scratch),
-                        bucket_bytes=bucket_mb << 20)
+    setup = SenderSetup(
+        source=TensorSource(named_tensors), engine=engine, scratch=Path(scratch), bucket_bytes=bucket_mb << 20
+    )
     return build_sender(transport, setup)
 
 

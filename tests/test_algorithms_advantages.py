@@ -94,8 +94,7 @@ def test_overlong_soft_punishment_piecewise():
             return penalty * ((max_len - buffer) - n) / buffer
         return -penalty
 
-    got = overlong_reward_delta(torch.tensor(lengths), max_len=max_len, buffer=buffer,
-                                penalty=penalty)
+    got = overlong_reward_delta(torch.tensor(lengths), max_len=max_len, buffer=buffer, penalty=penalty)
     assert got.tolist() == pytest.approx([dapo_eq13(n) for n in lengths])
     assert got.tolist()[5] == pytest.approx(-penalty)  # the full length gets the whole penalty
 

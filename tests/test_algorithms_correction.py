@@ -43,12 +43,22 @@ def _trl_ratio_block() -> str:
 
 
 def _trl_ratio(mode, c_min, c_max, old, behav, mask):
-    trainer = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True,
-                              vllm_importance_sampling_mode=mode,
-                              vllm_importance_sampling_clip_min=c_min,
-                              vllm_importance_sampling_clip_max=c_max)
-    scope = {"self": trainer, "torch": torch, "math": math, "completion_mask": mask,
-             "tool_mask": None, "old_per_token_logps": old, "sampling_per_token_logps": behav}
+    trainer = SimpleNamespace(
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=c_min,
+        vllm_importance_sampling_clip_max=c_max,
+    )
+    scope = {
+        "self": trainer,
+        "torch": torch,
+        "math": math,
+        "completion_mask": mask,
+        "tool_mask": None,
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": behav,
+    }
     exec(_trl_ratio_block(), scope)  # noqa: S102 (TRL's own source, see the module docstring)
     return scope["vllm_importance_sampling_ratio"]
 
@@ -56,15 +66,23 @@ def _trl_ratio(mode, c_min, c_max, old, behav, mask):
 def _trl_loss(loss_type, logp, old, behav, ratio, mask, adv, *, delta, eps=0.2):
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=delta,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=delta,
         get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-        importance_sampling_level="token", loss_type=loss_type,
-        epsilon_low=eps, epsilon_high=eps, beta=0.0,
+        importance_sampling_level="token",
+        loss_type=loss_type,
+        epsilon_low=eps,
+        epsilon_high=eps,
+        beta=0.0,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
-        use_vllm=True, vllm_importance_sampling_correction=True,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
-        max_completion_length=MAX_LEN, accelerator=_SingleProcess(),
-        _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=MAX_LEN,
+        accelerator=_SingleProcess(),
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
     )
     inputs = {
@@ -108,25 +126,34 @@ def test_weight_equals_trl_ratio(mode, c_min, c_max):
         assert not ours.dropped.any()
 
 
-@pytest.mark.parametrize("kind, trl_type", [("grpo", "grpo"), ("bnpo", "bnpo"), ("dapo", "dapo"),
-                                            ("dr_grpo", "dr_grpo")])
-@pytest.mark.parametrize("mode, c_min, c_max, delta", [
-    ("sequence_mask", None, 3.0, None),  # TRL's default
-    ("token_truncate", 0.5, 2.0, None),
-    ("token_mask", None, 1.5, 0.05),
-    ("sequence_truncate", 0.7, None, 0.0),
-])
+@pytest.mark.parametrize(
+    "kind, trl_type", [("grpo", "grpo"), ("bnpo", "bnpo"), ("dapo", "dapo"), ("dr_grpo", "dr_grpo")]
+)
+@pytest.mark.parametrize(
+    "mode, c_min, c_max, delta",
+    [
+        ("sequence_mask", None, 3.0, None),  # TRL's default
+        ("token_truncate", 0.5, 2.0, None),
+        ("token_mask", None, 1.5, 0.05),
+        ("sequence_truncate", 0.7, None, 0.0),
+    ],
+)
 def test_loss_and_grad_equal_trl_with_vllm_correction(kind, trl_type, mode, c_min, c_max, delta):
     logp, old, behav, mask, adv = _tensors(seed=5, spread=0.3)
-    s = LossSettings(kind=kind, max_response_len=MAX_LEN,
-                     correction=RolloutCorrection(mode=mode, c_min=c_min, c_max=c_max, delta=delta))
-    ours = policy_loss(s, logp=logp, old_logp=old, behav_logp=behav, mask=mask, advantages=adv,
-                       denominator=loss_denominator(s, mask))
+    s = LossSettings(
+        kind=kind,
+        max_response_len=MAX_LEN,
+        correction=RolloutCorrection(mode=mode, c_min=c_min, c_max=c_max, delta=delta),
+    )
+    ours = policy_loss(
+        s, logp=logp, old_logp=old, behav_logp=behav, mask=mask, advantages=adv, denominator=loss_denominator(s, mask)
+    )
     ratio = _trl_ratio(mode, c_min, c_max, old, behav, mask)
     trl = _trl_loss(trl_type, logp, old, behav, ratio, mask, adv, delta=delta)
     torch.testing.assert_close(ours.loss, trl, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(torch.autograd.grad(ours.loss, logp)[0],
-                               torch.autograd.grad(trl, logp)[0], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours.loss, logp)[0], torch.autograd.grad(trl, logp)[0], rtol=1e-6, atol=1e-8
+    )
 
 
 def test_off_policy_mask_equals_its_formula_and_trl():
@@ -146,11 +173,13 @@ def test_none_mode_and_equal_logprobs_change_nothing():
     logp, old, _, mask, adv = _tensors(seed=9)
     base = LossSettings(kind="grpo")
     plain = policy_loss(base, logp=logp, old_logp=old, mask=mask, advantages=adv, denominator=4.0)
-    for corr in (RolloutCorrection(), RolloutCorrection(mode="sequence_mask", c_max=3.0),
-                 RolloutCorrection(mode="token_truncate", c_min=0.5, c_max=2.0, delta=10.0)):
+    for corr in (
+        RolloutCorrection(),
+        RolloutCorrection(mode="sequence_mask", c_max=3.0),
+        RolloutCorrection(mode="token_truncate", c_min=0.5, c_max=2.0, delta=10.0),
+    ):
         s = LossSettings(kind="grpo", correction=corr)
-        out = policy_loss(s, logp=logp, old_logp=old, behav_logp=old, mask=mask, advantages=adv,
-                          denominator=4.0)
+        out = policy_loss(s, logp=logp, old_logp=old, behav_logp=old, mask=mask, advantages=adv, denominator=4.0)
         torch.testing.assert_close(out.loss, plain.loss, rtol=0, atol=0)
         assert out.metrics.mismatch.to_log()["mismatch/logprob_abs_diff_mean"] == 0.0
 
@@ -176,13 +205,16 @@ def test_decoupled_only_masks_and_refuses_truncation():
         LossSettings(kind="ppo_decoupled", correction=RolloutCorrection(mode="token_truncate"))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(mode="bogus"), "mode"),
-    (dict(c_min=2.0, c_max=2.0), "c_min"),
-    (dict(c_max=-1.0), "c_max"),
-    (dict(mode="token_truncate", c_max=None), "needs c_min or c_max"),
-    (dict(delta=-0.1), "delta"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mode="bogus"), "mode"),
+        (dict(c_min=2.0, c_max=2.0), "c_min"),
+        (dict(c_max=-1.0), "c_max"),
+        (dict(mode="token_truncate", c_max=None), "needs c_min or c_max"),
+        (dict(delta=-0.1), "delta"),
+    ],
+)
 def test_settings_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RolloutCorrection(**kwargs)
@@ -210,8 +242,7 @@ def test_metrics_merge_across_micro_batches_equals_one_shot(mode):
     for cuts in ([slice(0, 1), slice(1, 4)], [slice(0, 2), slice(2, 3), slice(3, 4)]):
         merged = None
         for part in cuts:
-            m = policy_loss(s, logp=logp[part], denominator=1.0,
-                            **{k: v[part] for k, v in kw.items()}).metrics
+            m = policy_loss(s, logp=logp[part], denominator=1.0, **{k: v[part] for k, v in kw.items()}).metrics
             merged = m if merged is None else merged.merge(m)
         assert merged.to_log() == pytest.approx(whole)
     assert whole["mismatch/masked_fraction"] > 0
@@ -221,8 +252,9 @@ def test_alarm_fires_above_thresholds_and_is_silent_below():
     _, old, behav, mask, _ = _tensors(seed=23, spread=0.3)
     metrics = mismatch_metrics(old, behav, mask)
     log = metrics.to_log(prefix="")
-    below = MismatchAlarm(logprob_abs_diff_mean=log["logprob_abs_diff_mean"] * 1.01,
-                          kl_k3=log["kl_k3"] * 1.01, action="stop")
+    below = MismatchAlarm(
+        logprob_abs_diff_mean=log["logprob_abs_diff_mean"] * 1.01, kl_k3=log["kl_k3"] * 1.01, action="stop"
+    )
     assert alarm_verdict(below, metrics) is None
     assert alarm_verdict(None, metrics) is None
     above = MismatchAlarm(logprob_abs_diff_mean=log["logprob_abs_diff_mean"] * 0.99, kl_k3=1e9)
@@ -268,8 +300,9 @@ def test_nonfinite_behaviour_logprobs_are_no_match_and_fire_every_alarm():
     (written out over the finite tokens), dropped in mode none, and over any alarm's limit."""
     _, old, behav, mask, adv = _tensors(seed=29, spread=0.3)
     broken, bad = _broken_engine(behav, mask)
-    got = rollout_correction(RolloutCorrection(mode="none"), trainer_logp=old, behav_logp=broken, logp=old,
-                             advantages=adv, mask=mask)
+    got = rollout_correction(
+        RolloutCorrection(mode="none"), trainer_logp=old, behav_logp=broken, logp=old, advantages=adv, mask=mask
+    )
     log = got.metrics.to_log()
     good = mask.bool() & ~bad
     d = (old - behav)[good]
@@ -312,8 +345,17 @@ def test_nonfinite_behaviour_logprobs_stay_out_of_the_loss_and_its_gradient(kind
     broken, bad = _broken_engine(behav, mask)
     versions = torch.tensor([[3], [2], [3], [1]]).expand(B, L)  # staleness 0, 1, 0, 2
     s = LossSettings(kind=kind, proximal="loglinear") if kind == "ppo_decoupled" else LossSettings(kind=kind)
-    out = policy_loss(s, logp=logp, mask=mask, advantages=adv, denominator=float(mask.sum()), old_logp=old,
-                      behav_logp=broken, versions=versions, current_version=3)
+    out = policy_loss(
+        s,
+        logp=logp,
+        mask=mask,
+        advantages=adv,
+        denominator=float(mask.sum()),
+        old_logp=old,
+        behav_logp=broken,
+        versions=versions,
+        current_version=3,
+    )
     (grad,) = torch.autograd.grad(out.loss, logp)
     want = _written_out_loss(kind, logp, old, behav, mask, adv, versions, 3, mask.bool() & ~bad)
     (want_grad,) = torch.autograd.grad(want, logp)

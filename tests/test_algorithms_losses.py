@@ -41,8 +41,7 @@ def _token_loss(lp, old, ref, a, s):
 def _reference_loss(s, logp, old, ref, mask, adv):
     seq_terms, total, n_tok = [], 0.0, 0
     for b in range(B):
-        toks = [_token_loss(logp[b, t], old[b, t], ref[b, t], adv[b], s)
-                for t in range(L) if mask[b, t] > 0]
+        toks = [_token_loss(logp[b, t], old[b, t], ref[b, t], adv[b], s) for t in range(L) if mask[b, t] > 0]
         seq_terms.append(sum(toks) / len(toks))
         total, n_tok = total + sum(toks), n_tok + len(toks)
     if s.kind == "grpo":
@@ -55,8 +54,7 @@ def _reference_loss(s, logp, old, ref, mask, adv):
 
 def _ours(s, logp, old, ref, mask, adv, **kw):
     den = loss_denominator(s, mask)
-    return policy_loss(s, logp=logp, old_logp=old, ref_logp=ref, mask=mask, advantages=adv,
-                       denominator=den, **kw)
+    return policy_loss(s, logp=logp, old_logp=old, ref_logp=ref, mask=mask, advantages=adv, denominator=den, **kw)
 
 
 KIND_SETTINGS = [
@@ -99,10 +97,12 @@ def _two_token_case(clip_high):
     logp = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
     old = torch.zeros(1, 2)
     s = LossSettings(kind="dapo", clip_low=0.2, clip_high=clip_high)
-    out_pos = policy_loss(s, logp=logp, old_logp=old, mask=torch.tensor([[1.0, 0.0]]),
-                          advantages=torch.tensor([1.0]), denominator=1.0)
-    out_neg = policy_loss(s, logp=logp, old_logp=old, mask=torch.tensor([[0.0, 1.0]]),
-                          advantages=torch.tensor([-1.0]), denominator=1.0)
+    out_pos = policy_loss(
+        s, logp=logp, old_logp=old, mask=torch.tensor([[1.0, 0.0]]), advantages=torch.tensor([1.0]), denominator=1.0
+    )
+    out_neg = policy_loss(
+        s, logp=logp, old_logp=old, mask=torch.tensor([[0.0, 1.0]]), advantages=torch.tensor([-1.0]), denominator=1.0
+    )
     g_pos = torch.autograd.grad(out_pos.loss, logp)[0][0, 0].item()
     g_neg = torch.autograd.grad(out_neg.loss, logp)[0][0, 1].item()
     return out_pos, out_neg, g_pos, g_neg
@@ -150,8 +150,7 @@ def test_kl_estimators(est):
     expected = []
     for p, q in zip(lp.tolist(), lq.tolist(), strict=True):
         r = math.exp(q - p)
-        expected.append({"k1": -math.log(r), "k2": 0.5 * math.log(r) ** 2,
-                         "k3": r - 1 - math.log(r)}[est])
+        expected.append({"k1": -math.log(r), "k2": 0.5 * math.log(r) ** 2, "k3": r - 1 - math.log(r)}[est])
     assert kl_estimate(lp, lq, est).tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
@@ -159,8 +158,7 @@ def test_entropy_bonus_and_metrics():
     logp, old, ref, mask, adv = _batch()
     ent = torch.rand(B, L, generator=torch.Generator().manual_seed(3)).requires_grad_()
     s0 = LossSettings(kind="bnpo", clip_low=0.02, clip_high=0.04)  # asymmetric (high >= low: the schema's rule)
-    s1 = LossSettings(kind="bnpo", clip_low=0.02, clip_high=0.04, entropy_coef=0.01,
-                      kl_estimator="k2")
+    s1 = LossSettings(kind="bnpo", clip_low=0.02, clip_high=0.04, entropy_coef=0.01, kl_estimator="k2")
     base = _ours(s0, logp, old, ref, mask, adv, entropy=ent)
     out = _ours(s1, logp, old, ref, mask, adv, entropy=ent)
     n = sum(LENGTHS)
@@ -179,8 +177,7 @@ def test_entropy_bonus_and_metrics():
     k2 = [0.5 * (ref[b, t].item() - logp[b, t].item()) ** 2 for b, t in toks]
     assert m.kl_ref_sum.item() == pytest.approx(sum(k2), rel=1e-5)
     assert m.entropy_sum.item() == pytest.approx(sum(ent[b, t].item() for b, t in toks), rel=1e-5)
-    k3_old = [math.exp(lp - o) - 1 - (lp - o) for lp, o in
-              ((logp[b, t].item(), old[b, t].item()) for b, t in toks)]
+    k3_old = [math.exp(lp - o) - 1 - (lp - o) for lp, o in ((logp[b, t].item(), old[b, t].item()) for b, t in toks)]
     assert m.approx_kl_sum.item() == pytest.approx(sum(k3_old), rel=1e-5)
     log = m.to_log()
     assert log["loss/clip_frac_low"] == pytest.approx(lows / n)
@@ -191,12 +188,20 @@ def test_metrics_merge_equals_whole_batch():
     logp, old, ref, mask, adv = _batch()
     s = LossSettings(kind="dapo", clip_high=0.28, kl_coef=0.1)
     whole = _ours(s, logp, old, ref, mask, adv).metrics
-    parts = [policy_loss(s, logp=logp[i:i + 2], old_logp=old[i:i + 2], ref_logp=ref[i:i + 2],
-                         mask=mask[i:i + 2], advantages=adv[i:i + 2], denominator=1.0).metrics
-             for i in (0, 2)]
+    parts = [
+        policy_loss(
+            s,
+            logp=logp[i : i + 2],
+            old_logp=old[i : i + 2],
+            ref_logp=ref[i : i + 2],
+            mask=mask[i : i + 2],
+            advantages=adv[i : i + 2],
+            denominator=1.0,
+        ).metrics
+        for i in (0, 2)
+    ]
     merged = parts[0].merge(parts[1])
-    for name in ("n_tokens", "n_clip_low", "n_clip_high", "ratio_sum", "ratio_max",
-                 "approx_kl_sum", "kl_ref_sum"):
+    for name in ("n_tokens", "n_clip_low", "n_clip_high", "ratio_sum", "ratio_max", "approx_kl_sum", "kl_ref_sum"):
         torch.testing.assert_close(getattr(merged, name), getattr(whole, name))
 
 
@@ -211,18 +216,21 @@ def test_padding_garbage_does_not_leak():
     assert torch.isfinite(out.metrics.ratio_max) and torch.isfinite(out.metrics.kl_ref_sum)
 
 
-@pytest.mark.parametrize("kwargs, key", [  # LossSettings reports the config key of each value it carries
-    (dict(kind="ppo"), "algorithm.loss"),
-    (dict(clip_low=1.0), "algorithm.clip.low"),
-    (dict(clip_low=0.0), "algorithm.clip.low"),  # the schema's (0, 1): a zero clip is refused here too
-    (dict(clip_high=-0.1), "algorithm.clip.high"),
-    (dict(clip_low=0.2, clip_high=0.1), r"algorithm.clip.high: must be >= algorithm.clip.low \(0.2\)"),
-    (dict(kl_estimator="k4"), "algorithm.kl.estimator"),
-    (dict(proximal="forward"), "algorithm.proximal"),
-    (dict(behav_weight_cap=0.5), "algorithm.behav_weight_cap"),
-    (dict(kind="dr_grpo"), "max_response_len"),
-    (dict(kl_coef=-1.0), "algorithm.kl.coef"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [  # LossSettings reports the config key of each value it carries
+        (dict(kind="ppo"), "algorithm.loss"),
+        (dict(clip_low=1.0), "algorithm.clip.low"),
+        (dict(clip_low=0.0), "algorithm.clip.low"),  # the schema's (0, 1): a zero clip is refused here too
+        (dict(clip_high=-0.1), "algorithm.clip.high"),
+        (dict(clip_low=0.2, clip_high=0.1), r"algorithm.clip.high: must be >= algorithm.clip.low \(0.2\)"),
+        (dict(kl_estimator="k4"), "algorithm.kl.estimator"),
+        (dict(proximal="forward"), "algorithm.proximal"),
+        (dict(behav_weight_cap=0.5), "algorithm.behav_weight_cap"),
+        (dict(kind="dr_grpo"), "max_response_len"),
+        (dict(kl_coef=-1.0), "algorithm.kl.coef"),
+    ],
+)
 def test_settings_validation(kwargs, key):
     with pytest.raises(ValueError, match=key):
         LossSettings(**kwargs)
@@ -234,12 +242,10 @@ def test_call_validation():
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(s, logp=logp, mask=mask, advantages=adv, denominator=1.0)
     with pytest.raises(ValueError, match="old_logp shape"):
-        policy_loss(s, logp=logp, old_logp=old[:, :2], ref_logp=ref, mask=mask,
-                    advantages=adv, denominator=1.0)
+        policy_loss(s, logp=logp, old_logp=old[:, :2], ref_logp=ref, mask=mask, advantages=adv, denominator=1.0)
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(s, logp=logp, ref_logp=ref, mask=mask, advantages=adv[:2], denominator=1.0)
     with pytest.raises(ValueError, match="denominator"):
         policy_loss(s, logp=logp, ref_logp=ref, mask=mask, advantages=adv, denominator=0)
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(LossSettings(entropy_coef=0.1), logp=logp, mask=mask, advantages=adv,
-                    denominator=1.0)
+        policy_loss(LossSettings(entropy_coef=0.1), logp=logp, mask=mask, advantages=adv, denominator=1.0)

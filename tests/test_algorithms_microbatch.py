@@ -5,7 +5,6 @@ gradients of its micro-batches (1, 2, 4 and uneven splits), and of two gloo DP r
 (all-reduced SUM), when every micro-batch divides by the batch denominator.
 """
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,7 +30,8 @@ def _batch():
     with torch.no_grad():
         logp0, _ = _logp_and_entropy(_model(), ids, targets)
     return dict(
-        ids=ids, targets=targets,
+        ids=ids,
+        targets=targets,
         old=logp0 + 0.3 * torch.randn(B, L, generator=g),
         ref=logp0 + 0.3 * torch.randn(B, L, generator=g),
         behav=logp0 + 0.3 * torch.randn(B, L, generator=g),
@@ -59,10 +59,17 @@ SETTINGS = {
 def _microbatch_loss(model, s, batch, rows, denominator):
     logp, entropy = _logp_and_entropy(model, batch["ids"][rows], batch["targets"][rows])
     return policy_loss(
-        s, logp=logp, mask=batch["mask"][rows], advantages=batch["adv"][rows],
-        denominator=denominator, old_logp=batch["old"][rows], ref_logp=batch["ref"][rows],
-        behav_logp=batch["behav"][rows], versions=batch["versions"][rows],
-        current_version=CURRENT_VERSION, entropy=entropy,
+        s,
+        logp=logp,
+        mask=batch["mask"][rows],
+        advantages=batch["adv"][rows],
+        denominator=denominator,
+        old_logp=batch["old"][rows],
+        ref_logp=batch["ref"][rows],
+        behav_logp=batch["behav"][rows],
+        versions=batch["versions"][rows],
+        current_version=CURRENT_VERSION,
+        entropy=entropy,
     ).loss
 
 
@@ -111,8 +118,7 @@ def test_mean_of_microbatch_means_would_differ():
 
 
 def _dp_worker(rank, world, port, names):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         batch = _batch()
         # rank 0 runs two micro-batches, rank 1 one: DP ranks need not match in count

@@ -40,8 +40,7 @@ def test_loglinear_matches_areal_with_mixed_versions():
     prox = loglinear_proximal_logp(behav, theta, versions, current, torch.ones(2, 5))
     for b in range(2):
         for t in range(5):
-            expected = _areal_prox(behav[b, t].item(), theta[b, t].item(),
-                                   versions[b, t].item(), current)
+            expected = _areal_prox(behav[b, t].item(), theta[b, t].item(), versions[b, t].item(), current)
             assert prox[b, t].item() == pytest.approx(expected, rel=1e-6, abs=1e-7)
     # d = 0 tokens are exactly the behaviour policy, even though π_θ ≠ π_behav there
     d0 = versions == current
@@ -90,12 +89,12 @@ def _reference_decoupled(logp, prox, behav, mask, adv, clip, cap=None):
 def test_decoupled_recompute_matches_formula():
     logp, behav, prox, mask, adv = _decoupled_batch()
     s = LossSettings(kind="ppo_decoupled", proximal="recompute", clip_low=0.2, clip_high=0.2)
-    out = policy_loss(s, logp=logp, old_logp=prox, behav_logp=behav, mask=mask, advantages=adv,
-                      denominator=loss_denominator(s, mask))
+    out = policy_loss(
+        s, logp=logp, old_logp=prox, behav_logp=behav, mask=mask, advantages=adv, denominator=loss_denominator(s, mask)
+    )
     expected = _reference_decoupled(logp, prox, behav, mask, adv, clip=0.2)
     torch.testing.assert_close(out.loss, expected)
-    torch.testing.assert_close(torch.autograd.grad(out.loss, logp)[0],
-                               torch.autograd.grad(expected, logp)[0])
+    torch.testing.assert_close(torch.autograd.grad(out.loss, logp)[0], torch.autograd.grad(expected, logp)[0])
     w = torch.exp(prox - behav)[mask.bool()]
     assert out.metrics.behav_weight_sum.item() == pytest.approx(w.sum().item(), rel=1e-6)
     assert out.metrics.behav_weight_max.item() == pytest.approx(w.max().item(), rel=1e-6)
@@ -106,11 +105,22 @@ def test_loglinear_matches_formula_with_detached_prox():
     logp, behav, _, mask, adv = _decoupled_batch(seed=4)
     versions = torch.tensor([[3, 2, 1, 3, 0], [2, 2, 2, -1, -1], [0, 1, 2, 3, -1]])
     s = LossSettings(kind="ppo_decoupled", proximal="loglinear", clip_low=0.2, clip_high=0.28)
-    out = policy_loss(s, logp=logp, behav_logp=behav, versions=versions, current_version=3,
-                      mask=mask, advantages=adv, denominator=loss_denominator(s, mask))
-    prox = torch.tensor([[_areal_prox(behav[b, t].item(), logp[b, t].item(),
-                                      max(versions[b, t].item(), 0), 3) for t in range(5)]
-                         for b in range(3)])
+    out = policy_loss(
+        s,
+        logp=logp,
+        behav_logp=behav,
+        versions=versions,
+        current_version=3,
+        mask=mask,
+        advantages=adv,
+        denominator=loss_denominator(s, mask),
+    )
+    prox = torch.tensor(
+        [
+            [_areal_prox(behav[b, t].item(), logp[b, t].item(), max(versions[b, t].item(), 0), 3) for t in range(5)]
+            for b in range(3)
+        ]
+    )
     total, n = 0.0, int(mask.sum())
     for b, t in mask.nonzero().tolist():
         r = torch.exp(logp[b, t] - prox[b, t])
@@ -119,8 +129,7 @@ def test_loglinear_matches_formula_with_detached_prox():
         total = total - torch.minimum(r * adv[b], r_clip * adv[b]) * w
     expected = total / n
     torch.testing.assert_close(out.loss, expected)
-    torch.testing.assert_close(torch.autograd.grad(out.loss, logp)[0],
-                               torch.autograd.grad(expected, logp)[0])
+    torch.testing.assert_close(torch.autograd.grad(out.loss, logp)[0], torch.autograd.grad(expected, logp)[0])
 
 
 def test_loglinear_at_zero_staleness_is_standard_ppo_on_second_minibatch():
@@ -130,13 +139,21 @@ def test_loglinear_at_zero_staleness_is_standard_ppo_on_second_minibatch():
     versions = torch.full((3, 5), 4)
     a3po = LossSettings(kind="ppo_decoupled", proximal="loglinear", clip_high=0.28)
     ppo = LossSettings(kind="bnpo", clip_high=0.28)
-    out = policy_loss(a3po, logp=logp, behav_logp=behav, versions=versions, current_version=4,
-                      mask=mask, advantages=adv, denominator=loss_denominator(a3po, mask))
-    std = policy_loss(ppo, logp=logp, old_logp=behav, mask=mask, advantages=adv,
-                      denominator=loss_denominator(ppo, mask))
+    out = policy_loss(
+        a3po,
+        logp=logp,
+        behav_logp=behav,
+        versions=versions,
+        current_version=4,
+        mask=mask,
+        advantages=adv,
+        denominator=loss_denominator(a3po, mask),
+    )
+    std = policy_loss(
+        ppo, logp=logp, old_logp=behav, mask=mask, advantages=adv, denominator=loss_denominator(ppo, mask)
+    )
     torch.testing.assert_close(out.loss, std.loss)
-    torch.testing.assert_close(torch.autograd.grad(out.loss, logp)[0],
-                               torch.autograd.grad(std.loss, logp)[0])
+    torch.testing.assert_close(torch.autograd.grad(out.loss, logp)[0], torch.autograd.grad(std.loss, logp)[0])
     assert out.metrics.behav_weight_sum.item() == pytest.approx(mask.sum().item())
 
 
@@ -148,8 +165,7 @@ def test_behaviour_weight_cap_masks_tokens_and_counts_them():
     assert 0 < n_over < int(mask.sum())  # the fixture exercises the cap
     s = LossSettings(kind="ppo_decoupled", behav_weight_cap=cap)
     den = loss_denominator(s, mask)
-    out = policy_loss(s, logp=logp, old_logp=prox, behav_logp=behav, mask=mask, advantages=adv,
-                      denominator=den)
+    out = policy_loss(s, logp=logp, old_logp=prox, behav_logp=behav, mask=mask, advantages=adv, denominator=den)
     expected = _reference_decoupled(logp, prox, behav, mask, adv, clip=0.2, cap=cap)
     torch.testing.assert_close(out.loss, expected)
     grad = torch.autograd.grad(out.loss, logp)[0]
@@ -168,8 +184,17 @@ def test_decoupled_validation():
     with pytest.raises(ValueError, match="versions"):
         policy_loss(s, logp=logp, behav_logp=behav, mask=mask, advantages=adv, denominator=1.0)
     with pytest.raises(ValueError, match="newer than current_version"):
-        policy_loss(s, logp=logp, behav_logp=behav, versions=torch.full((3, 5), 5),
-                    current_version=4, mask=mask, advantages=adv, denominator=1.0)
+        policy_loss(
+            s,
+            logp=logp,
+            behav_logp=behav,
+            versions=torch.full((3, 5), 5),
+            current_version=4,
+            mask=mask,
+            advantages=adv,
+            denominator=1.0,
+        )
     with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(LossSettings(kind="ppo_decoupled"), logp=logp, behav_logp=behav, mask=mask,
-                    advantages=adv, denominator=1.0)
+        policy_loss(
+            LossSettings(kind="ppo_decoupled"), logp=logp, behav_logp=behav, mask=mask, advantages=adv, denominator=1.0
+        )

@@ -35,14 +35,22 @@ def _trl_loss(loss_type, logp, old, ref, mask, adv, *, eps_low, eps_high, beta, 
     """TRL's loss and logged metrics for one micro-batch (``accum``: accumulation steps)."""
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", loss_type=loss_type,
-        epsilon_low=eps_low, epsilon_high=eps_high, beta=beta,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        loss_type=loss_type,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        beta=beta,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=accum),
-        use_vllm=False, vllm_importance_sampling_correction=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accum,
-        max_completion_length=MAX_LEN, accelerator=_SingleProcess(),
-        _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=accum,
+        max_completion_length=MAX_LEN,
+        accelerator=_SingleProcess(),
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
     )
     n = logp.shape[0]
@@ -84,13 +92,12 @@ CASES = [  # (our kind, TRL loss_type, clip_low, clip_high, kl coef)
 @pytest.mark.parametrize("kind, trl_type, lo, hi, beta", CASES)
 def test_loss_and_grad_equal_trl(kind, trl_type, lo, hi, beta):
     logp, old, ref, mask, adv = _tensors(seed=11)
-    s = LossSettings(kind=kind, clip_low=lo, clip_high=hi, kl_coef=beta, kl_estimator="k3",
-                     max_response_len=MAX_LEN)
-    ours = policy_loss(s, logp=logp, old_logp=old, ref_logp=ref, mask=mask, advantages=adv,
-                       denominator=loss_denominator(s, mask))
+    s = LossSettings(kind=kind, clip_low=lo, clip_high=hi, kl_coef=beta, kl_estimator="k3", max_response_len=MAX_LEN)
+    ours = policy_loss(
+        s, logp=logp, old_logp=old, ref_logp=ref, mask=mask, advantages=adv, denominator=loss_denominator(s, mask)
+    )
     (g_ours,) = torch.autograd.grad(ours.loss, logp)
-    trl, trl_metrics = _trl_loss(trl_type, logp, old, ref, mask, adv, eps_low=lo, eps_high=hi,
-                                 beta=beta)
+    trl, trl_metrics = _trl_loss(trl_type, logp, old, ref, mask, adv, eps_low=lo, eps_high=hi, beta=beta)
     (g_trl,) = torch.autograd.grad(trl, logp)
     torch.testing.assert_close(ours.loss, trl, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(g_ours, g_trl, rtol=1e-6, atol=1e-8)
@@ -111,10 +118,28 @@ def test_two_microbatches_sum_equal_trl_accumulation(kind):
     den = loss_denominator(s, mask)
     ours, trl = 0.0, 0.0
     for part in (slice(0, 2), slice(2, 4)):
-        ours = ours + policy_loss(s, logp=logp[part], old_logp=old[part], mask=mask[part],
-                                  advantages=adv[part], denominator=den).loss
-        trl = trl + _trl_loss(kind, logp[part], old[part], ref[part], mask[part], adv[part],
-                              eps_low=0.2, eps_high=0.28, beta=0.0, accum=2)[0]
+        ours = (
+            ours
+            + policy_loss(
+                s, logp=logp[part], old_logp=old[part], mask=mask[part], advantages=adv[part], denominator=den
+            ).loss
+        )
+        trl = (
+            trl
+            + _trl_loss(
+                kind,
+                logp[part],
+                old[part],
+                ref[part],
+                mask[part],
+                adv[part],
+                eps_low=0.2,
+                eps_high=0.28,
+                beta=0.0,
+                accum=2,
+            )[0]
+        )
     torch.testing.assert_close(ours, trl, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0],
-                               torch.autograd.grad(trl, logp)[0], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, logp)[0], torch.autograd.grad(trl, logp)[0], rtol=1e-6, atol=1e-8
+    )

@@ -38,7 +38,8 @@ def test_split_is_not_the_plain_causal_mask() -> None:
     layout = AttentionLayout.from_lengths(case.prompt_lens, case.response_lens)
     out = shared_prompt_attention(x.q, x.k, x.v, layout, backend="split")
     causal = torch.nn.functional.scaled_dot_product_attention(
-        x.q.transpose(0, 1), x.k.transpose(0, 1), x.v.transpose(0, 1), is_causal=True).transpose(0, 1)
+        x.q.transpose(0, 1), x.k.transpose(0, 1), x.v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
     lp, r1 = case.prompt_lens[0], case.response_lens[0][0]
     torch.testing.assert_close(out[: lp + r1], causal[: lp + r1])  # prompt and r_1 agree
     assert (out[lp + r1 :] - causal[lp + r1 :]).abs().max() > 1e-2  # later responses do not

@@ -14,8 +14,9 @@ from megatron_rl.attention.npu import npu_attention, torch_npu_available
 from tests.attention_cases import CASES, Case, k_copies_oracle, make_inputs, max_rel_err
 
 
-def emulate_npu_fusion_attention(query, key, value, head_num, input_layout, *, atten_mask, scale,
-                                 sparse_mode, actual_seq_qlen, actual_seq_kvlen):
+def emulate_npu_fusion_attention(
+    query, key, value, head_num, input_layout, *, atten_mask, scale, sparse_mode, actual_seq_qlen, actual_seq_kvlen
+):
     """Dense per-sequence emulation of torch_npu.npu_fusion_attention (TND, sparse_mode 3)."""
     assert input_layout == "TND" and sparse_mode == 3 and query.shape[1] == head_num
     assert torch.equal(atten_mask.cpu(), torch.ones(2048, 2048).triu(1).bool())

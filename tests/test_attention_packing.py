@@ -58,8 +58,11 @@ def test_unpack() -> None:
     (mb,) = pack_groups([_group([1, 2], [3, 4, 5], [6]), _group([7], [8, 9])], token_budget=20)
     per_token = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     rows = unpack_logprobs(per_token, mb)
-    assert [r.tolist() for r in rows] == [pytest.approx([0.1, 0.2, 0.3]), pytest.approx([0.4]),
-                                          pytest.approx([0.5, 0.6])]
+    assert [r.tolist() for r in rows] == [
+        pytest.approx([0.1, 0.2, 0.3]),
+        pytest.approx([0.4]),
+        pytest.approx([0.5, 0.6]),
+    ]
     padded, mask = unpack_logprobs_padded(per_token, mb, pad_value=-1.0)
     assert mask.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
     assert padded[1].tolist() == pytest.approx([0.4, -1.0, -1.0])
@@ -89,12 +92,17 @@ def test_toy_model_logprobs_and_grads_match_k_copies() -> None:
     torch.manual_seed(0)
     model = _ToyLM()
     g = torch.Generator().manual_seed(1)
-    groups = [_group(torch.randint(13, (lp,), generator=g).tolist(),
-                     *[torch.randint(13, (lr,), generator=g).tolist() for lr in lrs])
-              for lp, lrs in ((5, (3, 1, 6)), (2, (4,)), (7, (2, 2)))]
+    groups = [
+        _group(
+            torch.randint(13, (lp,), generator=g).tolist(),
+            *[torch.randint(13, (lr,), generator=g).tolist() for lr in lrs],
+        )
+        for lp, lrs in ((5, (3, 1, 6)), (2, (4,)), (7, (2, 2)))
+    ]
     (mb,) = pack_groups(groups, token_budget=64)
-    logits = model(mb.token_ids, mb.position_ids,
-                   lambda q, k, v: shared_prompt_attention(q, k, v, mb.layout, backend="split"))
+    logits = model(
+        mb.token_ids, mb.position_ids, lambda q, k, v: shared_prompt_attention(q, k, v, mb.layout, backend="split")
+    )
     packed = F.log_softmax(logits[mb.logit_index], -1).gather(1, mb.target_ids[:, None])[:, 0]
     packed_rows = unpack_logprobs(packed, mb)
     packed_grads = torch.autograd.grad(packed.sum(), list(model.parameters()))
@@ -118,7 +126,10 @@ def test_k_copies_layout() -> None:
     groups = [_group([1, 2], [3], [4, 5]), _group([6], [7])]
     copies = k_copies(groups)
     assert [(c.prompt_ids.tolist(), [r.tolist() for r in c.response_ids]) for c in copies] == [
-        ([1, 2], [[3]]), ([1, 2], [[4, 5]]), ([6], [[7]])]
+        ([1, 2], [[3]]),
+        ([1, 2], [[4, 5]]),
+        ([6], [[7]]),
+    ]
     (mb,) = pack_groups(copies, token_budget=20)
     assert mb.token_ids.tolist() == [1, 2, 3, 1, 2, 4, 5, 6, 7]
     assert mb.response_lens == (1, 2, 1)

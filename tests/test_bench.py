@@ -26,8 +26,22 @@ from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, G, MAX_NEW = 2, 4, 8
-TRAIN_FLAGS = ["--scope", "train", "--steps", "2", "--warmup", "1", "--prompt-len", "uniform:8,24",
-               "--response-len", "heavy:5,1.0", "--seed", "7", "--platform", TRAIN_PLATFORM]
+TRAIN_FLAGS = [
+    "--scope",
+    "train",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--prompt-len",
+    "uniform:8,24",
+    "--response-len",
+    "heavy:5,1.0",
+    "--seed",
+    "7",
+    "--platform",
+    TRAIN_PLATFORM,
+]
 BUDGETS = (256, 40)  # 256: every group whole; 40 < 24 + 4 x 8: some groups split, the prompt repeated
 
 
@@ -35,9 +49,13 @@ BUDGETS = (256, 40)  # 256: every group whole; 40 < 24 + 4 x 8: some groups spli
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, trainer={"steps": 2, "prompts_per_batch": PROMPTS},
-                            control={"kind": "fixed", "group_size": G},
-                            rollout={"sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW, "seed": 3}})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        trainer={"steps": 2, "prompts_per_batch": PROMPTS},
+        control={"kind": "fixed", "group_size": G},
+        rollout={"sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW, "seed": 3}},
+    )
     return tmp, config
 
 
@@ -46,10 +64,24 @@ def compared(setup):
     """stdout of one ``bench --compare`` invocation over the two token budgets (train scope)."""
     _, config = setup
     variants = [f"pipeline.micro_batch_tokens={b}" for b in BUDGETS]
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl", "bench", str(config), "data.max_prompt_tokens=24",
-                           *TRAIN_FLAGS,
-                           "--compare", *variants], cwd=REPO, stdout=subprocess.PIPE, text=True, timeout=600,
-                          check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "bench",
+            str(config),
+            "data.max_prompt_tokens=24",
+            *TRAIN_FLAGS,
+            "--compare",
+            *variants,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout
 
@@ -62,8 +94,14 @@ def assert_every_field(rec: dict, scope: str) -> None:
     """Every ``BenchResult`` field is there, numbers are finite, phases / tokens / versions filled."""
     assert set(rec) == {f.name for f in dataclasses.fields(BenchResult)}
     assert rec["scope"] == scope
-    for key in ("step_s", "tokens_per_s_per_device", "samples_per_s", "completion_tokens_per_s", "peak_memory_gb",
-                "peak_tflops"):
+    for key in (
+        "step_s",
+        "tokens_per_s_per_device",
+        "samples_per_s",
+        "completion_tokens_per_s",
+        "peak_memory_gb",
+        "peak_tflops",
+    ):
         assert math.isfinite(rec[key]) and rec[key] > 0, (key, rec[key])
     assert list(rec["phases"]) == list(PHASES) and all(v >= 0 for v in rec["phases"].values())
     assert all(rec["tokens"][k] > 0 for k in ("prompt", "response", "packed", "samples", "groups"))
@@ -101,18 +139,29 @@ def test_train_scope_trained_tokens_equal_the_samples(setup, compared):
     from megatron_rl.bench.train_scope import SyntheticGroups
 
     vocab = json.loads((setup[0] / "model" / "config.json").read_text())["vocab_size"]
-    source = SyntheticGroups(vocab_size=vocab, num_prompts=PROMPTS, group_size=G,
-                             prompt_len=LengthDist.parse("uniform:8,24"), response_len=LengthDist.parse("heavy:5,1.0"),
-                             max_prompt_tokens=24, max_new_tokens=MAX_NEW, seed=7)
+    source = SyntheticGroups(
+        vocab_size=vocab,
+        num_prompts=PROMPTS,
+        group_size=G,
+        prompt_len=LengthDist.parse("uniform:8,24"),
+        response_len=LengthDist.parse("heavy:5,1.0"),
+        max_prompt_tokens=24,
+        max_new_tokens=MAX_NEW,
+        seed=7,
+    )
     groups = [g for step in (1, 2) for g in source.samples(step)]  # the measured steps (after 1 warm-up)
     samples = [s for g in groups for s in g]
-    expect = {"prompt": sum(len(s.prompt_ids) for s in samples), "response": sum(len(s.response_ids) for s in samples),
-              "samples": len(samples)}
+    expect = {
+        "prompt": sum(len(s.prompt_ids) for s in samples),
+        "response": sum(len(s.response_ids) for s in samples),
+        "samples": len(samples),
+    }
     whole, split = (v["bench"] for v in _compare_record(compared))
     for rec in (whole, split):
         assert {k: rec["tokens"][k] for k in expect} == expect
-        assert rec["tokens_per_s_per_device"] == pytest.approx((expect["prompt"] + expect["response"])
-                                                               / rec["devices"] / rec["step_s"] / rec["steps"])
+        assert rec["tokens_per_s_per_device"] == pytest.approx(
+            (expect["prompt"] + expect["response"]) / rec["devices"] / rec["step_s"] / rec["steps"]
+        )
     # shared-prompt packing: each prompt once per group; split groups repeat it once per part
     assert whole["tokens"]["packed"] == sum(len(g[0].prompt_ids) + sum(len(s.response_ids) for s in g) for g in groups)
     assert whole["tokens"]["groups"] == len(groups) < split["tokens"]["groups"]
@@ -136,9 +185,16 @@ def test_train_scope_flops_count_the_prompt_once_per_group(setup, compared):
     from megatron_rl.bench.train_scope import SyntheticGroups
 
     params, hf = _linear_weights(setup[0] / "model")
-    source = SyntheticGroups(vocab_size=hf.vocab_size, num_prompts=PROMPTS, group_size=G,
-                             prompt_len=LengthDist.parse("uniform:8,24"), response_len=LengthDist.parse("heavy:5,1.0"),
-                             max_prompt_tokens=24, max_new_tokens=MAX_NEW, seed=7)
+    source = SyntheticGroups(
+        vocab_size=hf.vocab_size,
+        num_prompts=PROMPTS,
+        group_size=G,
+        prompt_len=LengthDist.parse("uniform:8,24"),
+        response_len=LengthDist.parse("heavy:5,1.0"),
+        max_prompt_tokens=24,
+        max_new_tokens=MAX_NEW,
+        seed=7,
+    )
     flops = 0.0
     for step in (1, 2):
         for group in source.samples(step):
@@ -158,7 +214,8 @@ def test_compare_prints_ratios_against_the_first(compared):
     assert all(r == 1.0 for r in variants[0]["ratios"].values())
     first, second = variants[0]["bench"], variants[1]["bench"]
     assert variants[1]["ratios"]["tokens_per_s_per_device"] == pytest.approx(
-        second["tokens_per_s_per_device"] / first["tokens_per_s_per_device"])
+        second["tokens_per_s_per_device"] / first["tokens_per_s_per_device"]
+    )
     assert [v["bench"]["config"]["pipeline"]["micro_batch_tokens"] for v in variants] == list(BUDGETS)
     assert "ratio" in compared and "pipeline.micro_batch_tokens=40" in compared  # the table
 
@@ -208,9 +265,17 @@ def test_shared_prompt_attention_pairs_match_the_mask():
     from megatron_rl.attention.packing import TokenGroup, concat_groups, pack_group
 
     shapes = [GroupShape(prompt_len=5, response_lens=(3, 1, 4)), GroupShape(prompt_len=2, response_lens=(6,))]
-    packed = concat_groups([pack_group(TokenGroup(prompt_ids=torch.zeros(s.prompt_len, dtype=torch.int64),
-                                                  response_ids=tuple(torch.zeros(n, dtype=torch.int64)
-                                                                     for n in s.response_lens))) for s in shapes])
+    packed = concat_groups(
+        [
+            pack_group(
+                TokenGroup(
+                    prompt_ids=torch.zeros(s.prompt_len, dtype=torch.int64),
+                    response_ids=tuple(torch.zeros(n, dtype=torch.int64) for n in s.response_lens),
+                )
+            )
+            for s in shapes
+        ]
+    )
     mask = packed.layout.dense_mask(torch.device("cpu"))
     assert int(mask.sum()) == sum(s.attention_pairs for s in shapes)
     assert sum(s.packed_tokens for s in shapes) == packed.num_tokens

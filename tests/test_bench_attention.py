@@ -21,8 +21,15 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def report() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tool must set it itself
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_attention.py"), "--device", "cpu"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--device", "cpu"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -19,8 +19,15 @@ from tests.rl_fixtures import TRAIN_PLATFORM, make_tiny_rl_model, tiny_rl_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-OPTS = BenchOptions(scope="train", steps=1, warmup=0, platform=TRAIN_PLATFORM, seed=11,
-                    prompt_len=LengthDist(kind="fixed", a=16), response_len=LengthDist(kind="fixed", a=8))
+OPTS = BenchOptions(
+    scope="train",
+    steps=1,
+    warmup=0,
+    platform=TRAIN_PLATFORM,
+    seed=11,
+    prompt_len=LengthDist(kind="fixed", a=16),
+    response_len=LengthDist(kind="fixed", a=8),
+)
 
 
 def _bench_rank(config: str) -> tuple[list[list[int]], dict | None]:
@@ -48,9 +55,17 @@ def _expected_shares(config: str, vocab_size: int) -> dict[int, list[list[int]]]
 
     cfg = load_config(config, [])
     queue = collections.deque(queue_items(cfg, SyntheticGroups.from_config(cfg, OPTS, vocab_size), 0))
-    batch = StepBatch(start=queue.popleft(), policy_version=0, num_mini_batches=cfg.trainer.mini_batches,
-                      token_budget=cfg.pipeline.micro_batch_tokens, streamed=False, flush_when_idle=False,
-                      pop=queue.popleft, queue_empty=lambda: not queue, replicas=2)
+    batch = StepBatch(
+        start=queue.popleft(),
+        policy_version=0,
+        num_mini_batches=cfg.trainer.mini_batches,
+        token_budget=cfg.pipeline.micro_batch_tokens,
+        streamed=False,
+        flush_when_idle=False,
+        pop=queue.popleft,
+        queue_empty=lambda: not queue,
+        replicas=2,
+    )
     shares: dict[int, list[list[int]]] = {0: [], 1: []}
     for mini_batch in batch.mini_batches():
         for mb in mini_batch:
@@ -62,9 +77,16 @@ def test_train_scope_dp2_trains_each_replica_its_routed_share(tmp_path):
     import json
 
     model = make_tiny_rl_model(tmp_path / "model")
-    config = str(tiny_rl_config(tmp_path, model, trainer={"prompts_per_batch": 4},
-                                control={"kind": "fixed", "group_size": 2},
-                                data={"max_prompt_tokens": 16}, pipeline={"mode": "sync", "micro_batch_tokens": 64}))
+    config = str(
+        tiny_rl_config(
+            tmp_path,
+            model,
+            trainer={"prompts_per_batch": 4},
+            control={"kind": "fixed", "group_size": 2},
+            data={"max_prompt_tokens": 16},
+            pipeline={"mode": "sync", "micro_batch_tokens": 64},
+        )
+    )
     (trained0, rec), (trained1, none) = run_distributed(_bench_rank, 2, config, timeout_s=600)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     expected = _expected_shares(config, vocab)

@@ -20,9 +20,23 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_throughput_runs_megatron_rl_and_trl_side_by_side(tmp_path):
     pytest.importorskip("trl")
     config = tiny_rl_config(tmp_path, make_tiny_rl_model(tmp_path / "model"))
-    out = subprocess.run([sys.executable, "tools/bench_throughput.py", "--config", str(config), "--steps", "3",
-                          "--only", "sync_hf_shared-prompt,trl"], cwd=REPO, capture_output=True, text=True,
-                         timeout=600, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/bench_throughput.py",
+            "--config",
+            str(config),
+            "--steps",
+            "3",
+            "--only",
+            "sync_hf_shared-prompt,trl",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = json.loads(out.stdout.strip().splitlines()[-1])
     runs = line["runs"]

@@ -12,8 +12,15 @@ import yaml
 
 from megatron_rl.cli import main
 
-HF_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100}
+HF_CONFIG = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+}
 
 
 def _model(tmp_path: Path, *, tokenizer: bool = True, config: bool = True) -> Path:
@@ -83,11 +90,14 @@ def test_model_without_config_json(tmp_path, capsys):
     assert code == 2 and "model.hf_path" in err and "has no config.json" in err
 
 
-@pytest.mark.parametrize(("section", "key", "spec", "words"), [
-    ("reward", "fn", "no_such_pkg_xyz.rewards:score", ["cannot import module 'no_such_pkg_xyz.rewards'"]),
-    ("reward", "fn", "tests.test_rewards:missing", ["has no attribute 'missing'"]),
-    ("control", "kind", "no_such_pkg_xyz.ctl:Greedy", ["cannot import module"]),
-])
+@pytest.mark.parametrize(
+    ("section", "key", "spec", "words"),
+    [
+        ("reward", "fn", "no_such_pkg_xyz.rewards:score", ["cannot import module 'no_such_pkg_xyz.rewards'"]),
+        ("reward", "fn", "tests.test_rewards:missing", ["has no attribute 'missing'"]),
+        ("control", "kind", "no_such_pkg_xyz.ctl:Greedy", ["cannot import module"]),
+    ],
+)
 def test_dotted_paths_must_import(tmp_path, capsys, section, key, spec, words):
     path = _config(tmp_path, _model(tmp_path), str(_prompts(tmp_path, 2)), **{section: {key: spec}})
     code, err = _check(capsys, path)

@@ -140,8 +140,9 @@ def test_minimal_config_gets_the_documented_defaults(tmp_path):
 def test_scientific_notation_and_ints_are_floats(tmp_path):
     text = MINIMAL.replace("steps: 3", "steps: 3\n  lr: 3e-6\n  weight_decay: 1\n  grad_clip: 1.5E+1")
     text += "algorithm:\n  advantage: {eps: 1.0e8}\n"
-    cfg = load(tmp_path, text, ["algorithm.kl.coef=2e-3", "rollout.engine=vllm",
-                                "rollout.vllm.gpu_memory_utilization=5e-1"])
+    cfg = load(
+        tmp_path, text, ["algorithm.kl.coef=2e-3", "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=5e-1"]
+    )
     assert cfg.rollout.vllm == {"gpu_memory_utilization": 0.5}  # pass-through values are YAML 1.2 floats too
     values = (
         cfg.trainer.lr,
@@ -332,10 +333,16 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
         (["control.kind=sacg"], {"control.kind"}, ["did you mean 'sagc'"]),
         (["control.group_size=1"], {"control.group_size"}, ["< 2"]),
         (["algorithm.advantage.scale=batch"], {"algorithm.advantage.scale"}, ["defeats periodic"]),
-        (["pipeline.micro_batch_tokens=300"], {"pipeline.micro_batch_tokens"},
-         ["data.max_prompt_tokens (512) + rollout.sampling.max_new_tokens (256) = 768"]),
-        (["environment.kind=echo", "environment.max_total_tokens=8192"], {"pipeline.micro_batch_tokens"},
-         ["environment.max_total_tokens (8192)", "a whole trajectory"]),
+        (
+            ["pipeline.micro_batch_tokens=300"],
+            {"pipeline.micro_batch_tokens"},
+            ["data.max_prompt_tokens (512) + rollout.sampling.max_new_tokens (256) = 768"],
+        ),
+        (
+            ["environment.kind=echo", "environment.max_total_tokens=8192"],
+            {"pipeline.micro_batch_tokens"},
+            ["environment.max_total_tokens (8192)", "a whole trajectory"],
+        ),
         (["rollout.sync_bucket_mb=0"], {"rollout.sync_bucket_mb"}, ["> 0"]),
         (
             ["control.kind=sagc", "control.sagc.candidates=[1, 4]", "control.group_size=4"],
@@ -362,17 +369,28 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
         (["rollout.sampling.top_p=1.5"], {"rollout.sampling.top_p"}, ["(0, 1]"]),
         (["trainer.save_every=10"], {"trainer.save_every"}, ["trainer.save_dir"]),
         (["rollout.devices=[cuda:4, cuda:5, cuda:6]", "rollout.num_engines=1"], {"rollout.devices"}, ["= 1"]),
-        (["rollout.devices=[cuda:0, cuda:1]", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
-         {"rollout.devices"}, ["one device string per engine", "'cuda:0,1'"]),
-        (["rollout.devices=['cuda:0,1,2']", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
-         {"rollout.devices"},
-         ["names 3 devices", "tensor_parallel_size = 2"]),
+        (
+            ["rollout.devices=[cuda:0, cuda:1]", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
+            {"rollout.devices"},
+            ["one device string per engine", "'cuda:0,1'"],
+        ),
+        (
+            ["rollout.devices=['cuda:0,1,2']", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
+            {"rollout.devices"},
+            ["names 3 devices", "tensor_parallel_size = 2"],
+        ),
         (["rollout.devices=[gpu:0]"], {"rollout.devices"}, ["must start with one of"]),
-        (["rollout.devices=[cpu:1]", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
-         {"rollout.tensor_parallel_size"}, ["use 1 on CPU"]),
+        (
+            ["rollout.devices=[cpu:1]", "rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
+            {"rollout.tensor_parallel_size"},
+            ["use 1 on CPU"],
+        ),
         (["rollout.tensor_parallel_size=2"], {"rollout.tensor_parallel_size"}, ["hf engine runs one device"]),
-        (["rollout.engine=vllm", "rollout.tensor_parallel_size=2"], {"rollout.tensor_parallel_size"},
-         ["CPU engine 'cpu'", "use 1 on CPU"]),
+        (
+            ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
+            {"rollout.tensor_parallel_size"},
+            ["CPU engine 'cpu'", "use 1 on CPU"],
+        ),
         (["rollout.vllm={max_model_len: 64}"], {"rollout.vllm"}, ["only for rollout.engine 'vllm'", "'hf'"]),
         (["rollout.max_batch_size=0"], {"rollout.max_batch_size"}, ["> 0"]),
         (["algorithm.behav_weight_cap=0.5"], {"algorithm.behav_weight_cap"}, ["> 1"]),
@@ -417,9 +435,7 @@ def test_valid_corner_cases_pass(tmp_path):
 def test_cross_field_error_points_at_the_file_line(tmp_path):
     text = MINIMAL + "pipeline:\n  mode: periodic\n  max_staleness: 3\n"
     err = error(tmp_path, text)
-    assert str(err).startswith(
-        f"{tmp_path / 'config.yaml'}:{line_of(text, 'max_staleness')}: pipeline.max_staleness:"
-    )
+    assert str(err).startswith(f"{tmp_path / 'config.yaml'}:{line_of(text, 'max_staleness')}: pipeline.max_staleness:")
 
 
 def test_megatron_passthrough_names_are_checked(tmp_path):
@@ -465,9 +481,7 @@ def test_bad_hf_path_names_model_hf_path(tmp_path, setup, words):
     if setup == "garbage":
         (model / "config.json").write_text("{not json")
     if setup == "no_layers":
-        (model / "config.json").write_text(
-            json.dumps({k: v for k, v in SMOLLM2.items() if k != "num_hidden_layers"})
-        )
+        (model / "config.json").write_text(json.dumps({k: v for k, v in SMOLLM2.items() if k != "num_hidden_layers"}))
     text = MINIMAL.replace("/models/smollm2", str(model))
     err = error(tmp_path, text, hf=None)
     assert err.keys == ("model.hf_path",) and words in str(err)
@@ -480,9 +494,7 @@ def test_bad_hf_path_names_model_hf_path(tmp_path, setup, words):
 def test_validate_world(tmp_path):
     cfg = load(tmp_path, overrides=["parallel.tp=3", "parallel.pp=2"])
     assert validate_world(cfg, 12) == 2
-    with pytest.raises(
-        ConfigError, match=r"parallel\.tp \(3\) × parallel\.pp \(2\) = 6 does not divide world size 9"
-    ):
+    with pytest.raises(ConfigError, match=r"parallel\.tp \(3\) × parallel\.pp \(2\) = 6 does not divide world size 9"):
         validate_world(cfg, 9)
     cfg = load(tmp_path, overrides=["parallel.tp=3", "parallel.dp=3"])
     assert validate_world(cfg, 9) == 3

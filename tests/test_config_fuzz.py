@@ -36,8 +36,9 @@ def _leaves(cls: type = Config, prefix: str = "") -> list[str]:
 KEYS = _leaves()
 _TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
 _SCALAR = st.none() | st.booleans() | st.integers() | st.floats() | _TEXT
-_VALUE = st.recursive(_SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
-                      max_leaves=6)
+_VALUE = st.recursive(
+    _SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3), max_leaves=6
+)
 _KEY = st.sampled_from(KEYS) | st.sampled_from(KEYS).map(lambda k: k + ".typo") | _TEXT
 
 
@@ -86,14 +87,17 @@ def test_fuzz_overrides(overrides):
     _load(yaml.safe_dump(BASE), overrides)
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("rollout.request_timeout_s=0", "rollout.request_timeout_s"),
-    ("rollout.max_restarts=-1", "rollout.max_restarts"),
-    ("rollout.sync_address=0.0.0.0", "rollout.sync_address"),
-    ("rollout.sync_address=my-host", "rollout.sync_address"),
-    ("reward.timeout_s=-2", "reward.timeout_s"),
-    ("data.skip_bad_rows=maybe", "data.skip_bad_rows"),
-])
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("rollout.request_timeout_s=0", "rollout.request_timeout_s"),
+        ("rollout.max_restarts=-1", "rollout.max_restarts"),
+        ("rollout.sync_address=0.0.0.0", "rollout.sync_address"),
+        ("rollout.sync_address=my-host", "rollout.sync_address"),
+        ("reward.timeout_s=-2", "reward.timeout_s"),
+        ("data.skip_bad_rows=maybe", "data.skip_bad_rows"),
+    ],
+)
 def test_reliability_keys_are_checked(override, key):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
@@ -106,8 +110,15 @@ def test_reliability_keys_are_checked(override, key):
 def test_reliability_keys_reach_the_engine_settings():
     from megatron_rl.trainer import from_config
 
-    cfg = _load(yaml.safe_dump(BASE), ["rollout.request_timeout_s=7.5", "rollout.max_restarts=5",
-                                       "rollout.sync_address=127.0.0.2", "reward.timeout_s=3"])
+    cfg = _load(
+        yaml.safe_dump(BASE),
+        [
+            "rollout.request_timeout_s=7.5",
+            "rollout.max_restarts=5",
+            "rollout.sync_address=127.0.0.2",
+            "reward.timeout_s=3",
+        ],
+    )
     engine = from_config.engine_settings(cfg)
     assert (engine.request_timeout_s, engine.max_restarts, engine.sync_address) == (7.5, 5, "127.0.0.2")
     assert from_config.reward_fn(cfg).timeout_s == 3

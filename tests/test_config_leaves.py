@@ -88,12 +88,22 @@ def _train_tracked(config_path: str, overrides: list[str]) -> set[str]:
 
 RUNS = {
     "periodic_fixed": ["pipeline.mode=periodic", "algorithm.kl.coef=0.1"],
-    "stale_sagc_overlong": ["pipeline.mode=stale", "pipeline.max_staleness=1", "algorithm.loss=ppo_decoupled",
-                            "control.kind=sagc", "control.sagc.candidates=[2, 4]", "control.group_size=2",
-                            "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=4",
-                            # multi-turn (echo environment) in stale mode: the environment.* leaves
-                            "environment.kind=echo", "environment.options={turns: 2}", "environment.max_turns=2",
-                            "environment.max_total_tokens=200", "environment.step_timeout_s=30"],
+    "stale_sagc_overlong": [
+        "pipeline.mode=stale",
+        "pipeline.max_staleness=1",
+        "algorithm.loss=ppo_decoupled",
+        "control.kind=sagc",
+        "control.sagc.candidates=[2, 4]",
+        "control.group_size=2",
+        "algorithm.overlong.enabled=true",
+        "algorithm.overlong.buffer=4",
+        # multi-turn (echo environment) in stale mode: the environment.* leaves
+        "environment.kind=echo",
+        "environment.options={turns: 2}",
+        "environment.max_turns=2",
+        "environment.max_total_tokens=200",
+        "environment.step_timeout_s=30",
+    ],
 }
 
 

@@ -27,24 +27,27 @@ def _config_problems(override: str) -> set[tuple[str, str]]:
     return {(p.key, p.message) for p in info.value.problems}
 
 
-@pytest.mark.parametrize(("override", "build"), [
-    ("rollout.engine=sglang", lambda: EngineSettings(model_path="/m", engine="sglang")),
-    ("rollout.dtype=float16", lambda: EngineSettings(model_path="/m", dtype="float16")),
-    ("rollout.num_engines=0", lambda: EngineSettings(model_path="/m", num_engines=0)),
-    ("rollout.tensor_parallel_size=2", lambda: EngineSettings(model_path="/m", tensor_parallel_size=2)),
-    ("rollout.devices=[gpu:0]", lambda: EngineSettings(model_path="/m", devices=["gpu:0"])),
-    ("rollout.sampling.top_p=0", lambda: SamplingSettings(top_p=0.0)),
-    ("pipeline.queue_size=0", lambda: PipelineSettings(queue_size=0)),
-    ("pipeline.max_staleness=1", lambda: PipelineSettings(max_staleness=1)),
-    ("algorithm.clip.low=0", lambda: LossSettings(clip_low=0.0)),
-    ("algorithm.clip.high=0.1", lambda: LossSettings(clip_high=0.1)),
-    ("algorithm.kl.estimator=k4", lambda: LossSettings(kl_estimator="k4")),
-    ("algorithm.behav_weight_cap=0.5", lambda: LossSettings(behav_weight_cap=0.5)),
-    ("algorithm.rollout_correction.c_min=5", lambda: RolloutCorrection(c_min=5.0)),
-    ("algorithm.mismatch_alarm.action=panic", lambda: MismatchAlarm(action="panic")),
-    ("control.sagc.gamma=1.5", lambda: SAGCSettings(gamma=1.5)),
-    ("control.sagc.candidates=[8, 4]", lambda: SAGCSettings(candidates=[8, 4], initial=8)),
-])
+@pytest.mark.parametrize(
+    ("override", "build"),
+    [
+        ("rollout.engine=sglang", lambda: EngineSettings(model_path="/m", engine="sglang")),
+        ("rollout.dtype=float16", lambda: EngineSettings(model_path="/m", dtype="float16")),
+        ("rollout.num_engines=0", lambda: EngineSettings(model_path="/m", num_engines=0)),
+        ("rollout.tensor_parallel_size=2", lambda: EngineSettings(model_path="/m", tensor_parallel_size=2)),
+        ("rollout.devices=[gpu:0]", lambda: EngineSettings(model_path="/m", devices=["gpu:0"])),
+        ("rollout.sampling.top_p=0", lambda: SamplingSettings(top_p=0.0)),
+        ("pipeline.queue_size=0", lambda: PipelineSettings(queue_size=0)),
+        ("pipeline.max_staleness=1", lambda: PipelineSettings(max_staleness=1)),
+        ("algorithm.clip.low=0", lambda: LossSettings(clip_low=0.0)),
+        ("algorithm.clip.high=0.1", lambda: LossSettings(clip_high=0.1)),
+        ("algorithm.kl.estimator=k4", lambda: LossSettings(kl_estimator="k4")),
+        ("algorithm.behav_weight_cap=0.5", lambda: LossSettings(behav_weight_cap=0.5)),
+        ("algorithm.rollout_correction.c_min=5", lambda: RolloutCorrection(c_min=5.0)),
+        ("algorithm.mismatch_alarm.action=panic", lambda: MismatchAlarm(action="panic")),
+        ("control.sagc.gamma=1.5", lambda: SAGCSettings(gamma=1.5)),
+        ("control.sagc.candidates=[8, 4]", lambda: SAGCSettings(candidates=[8, 4], initial=8)),
+    ],
+)
 def test_a_component_reports_what_the_config_reports(override, build):
     with pytest.raises(ConfigError) as info:
         build()
@@ -70,6 +73,9 @@ def test_config_imports_nothing_above_it():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
-            upward += [f"{path.name}: {n}" for n in names
-                       if n.startswith("megatron_rl") and not n.startswith("megatron_rl.config")]
+            upward += [
+                f"{path.name}: {n}"
+                for n in names
+                if n.startswith("megatron_rl") and not n.startswith("megatron_rl.config")
+            ]
     assert not upward, upward

@@ -12,10 +12,21 @@ from megatron_rl.cli import main
 
 # a tiny MoE config.json: the routing-replay rule wants experts, the model-shape rule a shape
 MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "vocab_size": 256, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
-    "num_experts_per_tok": 2, "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
 }
 
 
@@ -40,16 +51,21 @@ def check(config: str, *overrides: str) -> int:
 
 
 def test_multiturn_with_routing_replay_is_refused_naming_both_keys_and_the_fix(config, capsys):
-    assert check(config, "algorithm.routing_replay=rollout", "environment.kind=echo",
-                 "environment.max_total_tokens=4096") == 2
+    assert (
+        check(config, "algorithm.routing_replay=rollout", "environment.kind=echo", "environment.max_total_tokens=4096")
+        == 2
+    )
     err = capsys.readouterr().err
     assert "algorithm.routing_replay: " in err and "environment.kind 'echo'" in err
     assert "routing_replay to 'none'" in err and "environment.kind to 'none'" in err
 
 
-@pytest.mark.parametrize("overrides", [
-    ("algorithm.routing_replay=rollout",),  # single-turn replay
-    ("algorithm.routing_replay=none", "environment.kind=echo", "environment.max_total_tokens=4096"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm.routing_replay=rollout",),  # single-turn replay
+        ("algorithm.routing_replay=none", "environment.kind=echo", "environment.max_total_tokens=4096"),
+    ],
+)
 def test_either_one_alone_still_validates(config, capsys, overrides):
     assert check(config, *overrides) == 0, capsys.readouterr().err

@@ -84,8 +84,9 @@ def _drive(ctrl: SAGCController, pattern: list[int]) -> list[int]:
 @pytest.mark.parametrize("forget_unchosen", [True, False])
 def test_posterior_matches_discounted_closed_form(forget_unchosen):
     gamma, pa, pb = 0.7, 0.5, 2.0
-    settings = SAGCSettings(gamma=gamma, prior_alpha=pa, prior_beta=pb, eta=4.0, seed=3,
-                            forget_unchosen=forget_unchosen)
+    settings = SAGCSettings(
+        gamma=gamma, prior_alpha=pa, prior_beta=pb, eta=4.0, seed=3, forget_unchosen=forget_unchosen
+    )
     ctrl = SAGCController(settings)
     pattern = [0, 0, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0]
     chosen = _drive(ctrl, pattern)
@@ -95,8 +96,7 @@ def test_posterior_matches_discounted_closed_form(forget_unchosen):
         if forget_unchosen:  # every step discounts every candidate: weight gamma^(steps after t)
             w = [gamma ** (n - 1 - t) if chosen[t] == k else 0.0 for t in range(n)]
         else:  # discounted only by later steps that chose k
-            w = [gamma ** sum(c == k for c in chosen[t + 1:]) if chosen[t] == k else 0.0
-                 for t in range(n)]
+            w = [gamma ** sum(c == k for c in chosen[t + 1 :]) if chosen[t] == k else 0.0 for t in range(n)]
         alpha = pa + sum(wt * s for wt, s in zip(w, pattern, strict=True))
         beta = pb + sum(wt * (1 - s) for wt, s in zip(w, pattern, strict=True))
         g = settings.candidates[k]

@@ -55,8 +55,15 @@ def test_without_tail_no_step_straggles():
 def test_wall_clock_accounting_by_hand():
     lengths = LengthModel(tail_prob=0.05)
     cost = CostModel(seconds_per_token=0.01, step_overhead_s=7.0)
-    result = simulate(FixedController(4), steps=6, prompts=3, work_samples=1000, lengths=lengths,
-                      cost=cost, rng=np.random.default_rng(7))
+    result = simulate(
+        FixedController(4),
+        steps=6,
+        prompts=3,
+        work_samples=1000,
+        lengths=lengths,
+        cost=cost,
+        rng=np.random.default_rng(7),
+    )
     rng = np.random.default_rng(7)
     draws = [lengths.sample(rng, group_size=4, prompts=3, step=t) for t in range(6)]
     seconds = sum(7.0 + 0.01 * d.max() for d in draws)
@@ -69,8 +76,14 @@ def test_wall_clock_accounting_by_hand():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sagc_meets_the_proof_on_heavy_tailed_lengths(seed):
     delta = 0.1
-    res = compare_policies(settings=SAGCSettings(delta=delta, seed=seed), steps=2000, prompts=8,
-                           seed=seed, lengths=LengthModel(), cost=CostModel())
+    res = compare_policies(
+        settings=SAGCSettings(delta=delta, seed=seed),
+        steps=2000,
+        prompts=8,
+        seed=seed,
+        lengths=LengthModel(),
+        cost=CostModel(),
+    )
     sagc = res["sagc"]
     assert res["fixed_16"].straggler_rate > 0.5, "premise: fixed G=16 straggles often"
     assert res["fixed_4"].straggler_rate < delta, "premise: the constraint is feasible"
@@ -80,9 +93,14 @@ def test_sagc_meets_the_proof_on_heavy_tailed_lengths(seed):
 
 
 def test_sagc_settles_on_largest_g_without_stragglers():
-    res = compare_policies(settings=SAGCSettings(initial=4), steps=300, prompts=8, seed=0,
-                           lengths=dataclasses.replace(LengthModel(), tail_prob=0.0),
-                           cost=CostModel())
+    res = compare_policies(
+        settings=SAGCSettings(initial=4),
+        steps=300,
+        prompts=8,
+        seed=0,
+        lengths=dataclasses.replace(LengthModel(), tail_prob=0.0),
+        cost=CostModel(),
+    )
     sagc = res["sagc"]
     assert sagc.straggler_rate == 0.0
     assert sagc.final_g == 16 and sagc.late_mean_g == 16.0
@@ -92,9 +110,20 @@ def test_sagc_settles_on_largest_g_without_stragglers():
 @pytest.mark.parametrize("extra", [[], ["--no-stragglers"]])
 def test_cli_prints_one_json_line(extra):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--workload", "synthetic",
-         "--steps", "1500", *extra],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
+        [
+            sys.executable,
+            str(ROOT / "tools" / "simulate_sagc.py"),
+            "--workload",
+            "synthetic",
+            "--steps",
+            "1500",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
     )
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stderr

@@ -33,8 +33,7 @@ def test_beta_moments_match_the_gamma_function_formula():
     # E[p^n] = B(a + n, b) / B(a, b), written with lgamma: independent of the product formula
     a, b = 0.8, 1.2
     for n in (1, 4, 16):
-        log_ratio = (math.lgamma(a + n) + math.lgamma(a + b) - math.lgamma(a)
-                     - math.lgamma(a + b + n))
+        log_ratio = math.lgamma(a + n) + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(a + b + n)
         assert beta_moment(a, b, n) == pytest.approx(math.exp(log_ratio), rel=1e-12)
 
 
@@ -62,8 +61,7 @@ LENGTHS = np.array([[1, 3], [2, 2]])
 
 
 def _model(train_token_s: float) -> StepTimeModel:
-    return StepTimeModel(decode_iter_s=1.0, decode_seq_s=0.5, train_token_s=train_token_s,
-                         sync_s=2.0, prompt_tokens=1)
+    return StepTimeModel(decode_iter_s=1.0, decode_seq_s=0.5, train_token_s=train_token_s, sync_s=2.0, prompt_tokens=1)
 
 
 def test_finish_times_by_hand():
@@ -87,8 +85,7 @@ def test_periodic_step_by_hand():
 def test_length_model_median_range_and_ramp():
     m = wl.ReasoningLengths(median_start=400, median_end=800, ramp_steps=100, max_length=4096)
     assert (m.median(0), m.median(50), m.median(100), m.median(1000)) == (400, 600, 800, 800)
-    x = np.concatenate([m.sample(np.random.default_rng(s), group_size=16, prompts=32, step=0)
-                        for s in range(20)])
+    x = np.concatenate([m.sample(np.random.default_rng(s), group_size=16, prompts=32, step=0) for s in range(20)])
     assert x.shape == (640, 16) and x.dtype == np.int64
     assert 1 <= x.min() and x.max() <= 4096
     assert np.median(x) == pytest.approx(400, rel=0.05)  # log-lengths are centred at log median
@@ -99,8 +96,7 @@ def test_calibration_premises_and_independence_bound():
     rng = np.random.default_rng(3)
 
     def rate(g: int) -> float:
-        steps = [work.lengths.sample(rng, group_size=g, prompts=work.prompts, step=t)
-                 for t in range(work.steps)]
+        steps = [work.lengths.sample(rng, group_size=g, prompts=work.prompts, step=t) for t in range(work.steps)]
         return float(np.mean([x.max() / np.median(x) > 3.0 for x in steps]))
 
     r16, r4 = rate(16), rate(4)
@@ -127,8 +123,13 @@ def test_compare_on_workload_calibration_modes_and_signal():
 @pytest.mark.parametrize("fmt", ["json", "table"])
 def test_cli_paper_workload(fmt):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--steps", "40",
-         "--format", fmt], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+        [sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--steps", "40", "--format", fmt],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     if fmt == "table":
         assert "[sync]" in proc.stdout and "[periodic]" in proc.stdout
@@ -151,31 +152,77 @@ def test_cli_compares_real_runs_over_the_same_samples(tmp_path):
     def write(name, rows, steps=None):
         d = tmp_path / name
         d.mkdir()
-        lines = [{"step": t + 1, **dict(zip(keys, r, strict=True)), "rollout/response_tokens": 10 * r[0],
-                  "time/generation_s": r[4] / 2} for t, r in enumerate(rows)]
+        lines = [
+            {
+                "step": t + 1,
+                **dict(zip(keys, r, strict=True)),
+                "rollout/response_tokens": 10 * r[0],
+                "time/generation_s": r[4] / 2,
+            }
+            for t, r in enumerate(rows)
+        ]
         for line, step in zip(lines, steps or [], strict=False):
             line["step"] = step
         (d / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         return str(d)
 
     def cli(*dirs):
-        return subprocess.run([sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--runs", *dirs],
-                              capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+        return subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "simulate_sagc.py"), "--runs", *dirs],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+            check=False,
+        )
 
     sagc = write("sagc", [(32, 4, 0, 0.2, 1.0), (64, 8, 1, 0.4, 2.0), (128, 16, 1, 0.6, 6.0)])  # 224 samples
-    fixed = write("fixed", [(64, 8, 1, 0.3, 2.0), (64, 8, 1, 0.3, 2.0), (64, 8, 0, 0.5, 2.0), (64, 8, 0, 0.5, 2.0),
-                            (64, 8, 0, 0.9, 2.0), (64, 8, 0, 0.9, 2.0)])
+    fixed = write(
+        "fixed",
+        [
+            (64, 8, 1, 0.3, 2.0),
+            (64, 8, 1, 0.3, 2.0),
+            (64, 8, 0, 0.5, 2.0),
+            (64, 8, 0, 0.5, 2.0),
+            (64, 8, 0, 0.9, 2.0),
+            (64, 8, 0, 0.9, 2.0),
+        ],
+    )
     proc = cli(sagc, fixed)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["samples_budget"] == 224
-    assert report[sagc] == pytest.approx({"steps": 3, "samples": 224, "response_tokens": 2240, "straggler_rate": 2 / 3,
-                                          "mean_g": 28 / 3, "reward_mean": 0.4, "reward_first5": 0.4,
-                                          "reward_last5": 0.4, "step_s": 3.0, "generation_s": 1.5}, abs=1e-4)
+    assert report[sagc] == pytest.approx(
+        {
+            "steps": 3,
+            "samples": 224,
+            "response_tokens": 2240,
+            "straggler_rate": 2 / 3,
+            "mean_g": 28 / 3,
+            "reward_mean": 0.4,
+            "reward_first5": 0.4,
+            "reward_last5": 0.4,
+            "step_s": 3.0,
+            "generation_s": 1.5,
+        },
+        abs=1e-4,
+    )
     # 64 + 64 + 64 = 192 <= 224 < 256: three whole steps
-    assert report[fixed] == pytest.approx({"steps": 3, "samples": 192, "response_tokens": 1920, "straggler_rate": 2 / 3,
-                                           "mean_g": 8.0, "reward_mean": 1.1 / 3, "reward_first5": 1.1 / 3,
-                                           "reward_last5": 1.1 / 3, "step_s": 2.0, "generation_s": 1.0}, abs=1e-4)
+    assert report[fixed] == pytest.approx(
+        {
+            "steps": 3,
+            "samples": 192,
+            "response_tokens": 1920,
+            "straggler_rate": 2 / 3,
+            "mean_g": 8.0,
+            "reward_mean": 1.1 / 3,
+            "reward_first5": 1.1 / 3,
+            "reward_last5": 1.1 / 3,
+            "step_s": 2.0,
+            "generation_s": 1.0,
+        },
+        abs=1e-4,
+    )
     # a log_dir written twice (metrics.jsonl is appended to) is refused, not counted as one longer run
     twice = write("twice", [(64, 8, 1, 0.3, 2.0)] * 4, steps=[1, 2, 1, 2])
     proc = cli(sagc, twice)

@@ -19,9 +19,17 @@ def _loss(correction, versions, current=5):
     behav[0] -= 2.0  # sequence 0: the engine is far from the trainer (ratio e^8 > C_max)
     mask = torch.ones(2, 4, dtype=torch.bool)
     settings = LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=correction)
-    out = policy_loss(settings, logp=logp, mask=mask, advantages=torch.tensor([1.0, -0.5]), denominator=8.0,
-                      old_logp=logp.detach(), behav_logp=behav, versions=torch.tensor(versions)[:, None].expand(2, 4),
-                      current_version=current)
+    out = policy_loss(
+        settings,
+        logp=logp,
+        mask=mask,
+        advantages=torch.tensor([1.0, -0.5]),
+        denominator=8.0,
+        old_logp=logp.detach(),
+        behav_logp=behav,
+        versions=torch.tensor(versions)[:, None].expand(2, 4),
+        current_version=current,
+    )
     return out
 
 
@@ -50,8 +58,16 @@ def test_delta_masking_drops_stale_sequences_too():
 
     def loss(correction, mask):
         settings = LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=correction)
-        return policy_loss(settings, logp=logp, mask=mask, advantages=adv, denominator=8.0, behav_logp=behav,
-                           versions=versions, current_version=5)
+        return policy_loss(
+            settings,
+            logp=logp,
+            mask=mask,
+            advantages=adv,
+            denominator=8.0,
+            behav_logp=behav,
+            versions=versions,
+            current_version=5,
+        )
 
     masked = loss(RolloutCorrection(mode="none", delta=0.0), mask)
     without_seq0 = loss(RolloutCorrection(mode="none"), mask & torch.tensor([[False], [True]]))
@@ -71,8 +87,9 @@ def test_delta_masking_acts_on_later_mini_batches_without_an_old_copy():
 
     def loss(correction, mask):
         settings = LossSettings(kind="grpo", correction=correction)
-        return policy_loss(settings, logp=logp, mask=mask, advantages=adv, denominator=8.0, behav_logp=behav,
-                           compare_engine=False)
+        return policy_loss(
+            settings, logp=logp, mask=mask, advantages=adv, denominator=8.0, behav_logp=behav, compare_engine=False
+        )
 
     masked = loss(RolloutCorrection(mode="token_truncate", delta=0.0), mask)
     without_seq0 = loss(RolloutCorrection(mode="token_truncate"), mask & torch.tensor([[False], [True]]))

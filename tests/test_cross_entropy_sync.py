@@ -34,8 +34,9 @@ def test_equals_megatrons_calculate_predicted_logits(device, start, end):
     middle = emulated.transfer_counts()
     got = calculate_predicted_logits(logits.clone(), target, logits_max, start, end)
     after = emulated.transfer_counts()
-    for name, w, g in zip(("target_mask", "masked_target_1d", "predicted_logits", "sum_exp_logits", "exp_logits"),
-                          want, got, strict=True):
+    for name, w, g in zip(
+        ("target_mask", "masked_target_1d", "predicted_logits", "sum_exp_logits", "exp_logits"), want, got, strict=True
+    ):
         assert g.device == device and g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu()), name
     assert (middle - before).syncs >= 1, "megatron's boolean-mask writes were expected to sync"
     assert (after - middle).syncs == 0 and (after - middle).d2h == 0

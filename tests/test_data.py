@@ -57,31 +57,38 @@ def _write_jsonl(path, lines):
 
 def test_jsonl_records(tmp_path):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
-    path = _write_jsonl(tmp_path / "train.jsonl", [
-        json.dumps({"q": "What is 1+1?", "a": "2", "level": 1}),
-        "",
-        json.dumps({"q": chat, "a": 4}),
-        json.dumps({"q": "unused", "a": "x"}),
-    ])
+    path = _write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            json.dumps({"q": "What is 1+1?", "a": "2", "level": 1}),
+            "",
+            json.dumps({"q": chat, "a": 4}),
+            json.dumps({"q": "unused", "a": "x"}),
+        ],
+    )
     records = load_records(str(path), prompt_key="q", answer_key="a", size=2)
     assert len(records) == 2
-    assert records[0] == PromptRecord(prompt_id="train.jsonl:1", text="What is 1+1?", answer="2",
-                                      metadata={"level": 1})
+    assert records[0] == PromptRecord(prompt_id="train.jsonl:1", text="What is 1+1?", answer="2", metadata={"level": 1})
     assert records[1].prompt_id == "train.jsonl:3" and records[1].text is None
-    assert records[1].messages == (ChatMessage(role="system", content="Be brief."),
-                                   ChatMessage(role="user", content="2+2?"))
+    assert records[1].messages == (
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="2+2?"),
+    )
     assert records[1].answer == "4"
 
 
-@pytest.mark.parametrize(("line", "pattern"), [
-    ('{"question": "q"}', r"train\.jsonl:3: missing key 'answer' \(answer_key\)"),
-    ('{"answer": "1"}', r"train\.jsonl:3: missing key 'question' \(prompt_key\)"),
-    ('{"question": "q", "answer": [1]}', r"train\.jsonl:3: answer 'answer' must be a string or a number"),
-    ('{"question": 7, "answer": "1"}', r"train\.jsonl:3: prompt 'question' must be a string or a list"),
-    ('{"question": [{"role": "robot", "content": "hi"}], "answer": "1"}', r"train\.jsonl:3: .*role"),
-    ('{"question": "q", "answer": "1"', r"train\.jsonl:3: invalid JSON"),
-    ('[1, 2]', r"train\.jsonl:3: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    ("line", "pattern"),
+    [
+        ('{"question": "q"}', r"train\.jsonl:3: missing key 'answer' \(answer_key\)"),
+        ('{"answer": "1"}', r"train\.jsonl:3: missing key 'question' \(prompt_key\)"),
+        ('{"question": "q", "answer": [1]}', r"train\.jsonl:3: answer 'answer' must be a string or a number"),
+        ('{"question": 7, "answer": "1"}', r"train\.jsonl:3: prompt 'question' must be a string or a list"),
+        ('{"question": [{"role": "robot", "content": "hi"}], "answer": "1"}', r"train\.jsonl:3: .*role"),
+        ('{"question": "q", "answer": "1"', r"train\.jsonl:3: invalid JSON"),
+        ("[1, 2]", r"train\.jsonl:3: expected a JSON object"),
+    ],
+)
 def test_jsonl_errors_name_file_line_and_key(tmp_path, line, pattern):
     good = json.dumps({"question": "q", "answer": "1"})
     path = _write_jsonl(tmp_path / "train.jsonl", [good, good, line])
@@ -106,7 +113,9 @@ def test_parquet_records(tmp_path, monkeypatch):
     pd.DataFrame({"question": ["a?", "b?"], "answer": [3, 4], "src": ["x", "y"]}).to_parquet(path)
     records = load_records(str(path))
     assert [(r.prompt_id, r.text, r.answer, dict(r.metadata)) for r in records] == [
-        ("train.parquet:0", "a?", "3", {"src": "x"}), ("train.parquet:1", "b?", "4", {"src": "y"})]
+        ("train.parquet:0", "a?", "3", {"src": "x"}),
+        ("train.parquet:1", "b?", "4", {"src": "y"}),
+    ]
     with pytest.raises(ValueError, match=r"train\.parquet row 0: missing key 'prompt'"):
         load_records(str(path), prompt_key="prompt")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # find_spec -> None: pyarrow "not installed"
@@ -123,8 +132,10 @@ def test_record_validation():
 
 # ---------------------------------------------------------------- tokenization
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
-            "{% if add_generation_prompt %}<assistant> {% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
 WORDS = re.compile(r"\w+|[^\w\s]+")  # the Whitespace pre-tokenizer's split
 
 
@@ -151,8 +162,11 @@ def test_tokenize_with_chat_template_and_instruction():
 
 
 def test_tokenize_chat_messages_appends_instruction_to_last_user_turn():
-    record = PromptRecord(prompt_id="p", answer="4", messages=(
-        ChatMessage(role="system", content="Be brief ."), ChatMessage(role="user", content="2 + 2 ?")))
+    record = PromptRecord(
+        prompt_id="p",
+        answer="4",
+        messages=(ChatMessage(role="system", content="Be brief ."), ChatMessage(role="user", content="2 + 2 ?")),
+    )
     expected_text = "<system> Be brief . </s> <user> 2 + 2 ?\n\nBox it . </s> <assistant> "
     tok, vocab = _word_tokenizer(expected_text)
     ids = tokenize_prompt(record, tok, chat_template=True, max_prompt_tokens=100, instruction="Box it .")
@@ -178,8 +192,7 @@ def test_over_long_prompts_are_dropped_and_counted(caplog):
     assert tokenize_prompt(long, tok, chat_template=False, max_prompt_tokens=5, instruction="c") is None
     assert tokenize_prompt(long, tok, chat_template=False, max_prompt_tokens=6, instruction="c") is not None
     with caplog.at_level(logging.WARNING, logger="megatron_rl.data.tokenization"):
-        out = tokenize_records([short, long, short], tok, chat_template=False, max_prompt_tokens=5,
-                               instruction="c")
+        out = tokenize_records([short, long, short], tok, chat_template=False, max_prompt_tokens=5, instruction="c")
     assert [p.record.prompt_id for p in out.prompts] == ["short", "short"]
     assert out.dropped_ids == ["long"]
     assert "dropped 1 of 3" in caplog.text
@@ -197,7 +210,7 @@ def _expected_stream(n: int, batch: int, seed: int, num_batches: int) -> list[li
     while len(flat) < batch * num_batches:
         flat += np.random.default_rng([seed, epoch]).permutation(n).tolist()
         epoch += 1
-    return [flat[i * batch:(i + 1) * batch] for i in range(num_batches)]
+    return [flat[i * batch : (i + 1) * batch] for i in range(num_batches)]
 
 
 def test_stream_order_and_epoch_coverage():
@@ -207,7 +220,7 @@ def test_stream_order_and_epoch_coverage():
     assert got == [[items[i] for i in b] for b in _expected_stream(10, 4, 7, 10)]
     flat = [x for b in got for x in b]
     for e in range(4):
-        assert sorted(flat[10 * e:10 * (e + 1)]) == sorted(items)
+        assert sorted(flat[10 * e : 10 * (e + 1)]) == sorted(items)
     assert flat[:10] != flat[10:20]  # reshuffled each epoch
     assert stream.state_dict() == {"epoch": 4, "position": 0}
     assert [next(iter(PromptStream(items, prompts_per_batch=4, seed=8)))] != got[:1]

@@ -40,11 +40,21 @@ def test_missing_file_is_named(tmp_path):
 
 def test_malformed_rows_are_skipped_counted_and_named(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_bytes("\n".join([GOOD, '{"question": "a"', "[1]", GOOD, '{"answer": "3"}', ""]).encode()
-                     + b"\n\xff\xfe{}\n" + GOOD.encode() + b"\n")
+    path.write_bytes(
+        "\n".join([GOOD, '{"question": "a"', "[1]", GOOD, '{"answer": "3"}', ""]).encode()
+        + b"\n\xff\xfe{}\n"
+        + GOOD.encode()
+        + b"\n"
+    )
     tok, _ = _word_tokenizer("a b c")
-    prompts, report = load_prompts(str(path), tok, max_prompt_tokens=8, chat_template=False, instruction="c",
-                                   skip_bad_rows=DataConfig(source="x.jsonl").skip_bad_rows)
+    prompts, report = load_prompts(
+        str(path),
+        tok,
+        max_prompt_tokens=8,
+        chat_template=False,
+        instruction="c",
+        skip_bad_rows=DataConfig(source="x.jsonl").skip_bad_rows,
+    )
     assert [p.record.prompt_id for p in prompts] == ["train.jsonl:1", "train.jsonl:4", "train.jsonl:8"]
     assert [re.match(rf"{re.escape(str(path))}:(\d+): ", b).group(1) for b in report.bad_rows] == ["2", "3", "5", "7"]
     assert "invalid JSON" in report.bad_rows[0] and "expected a JSON object" in report.bad_rows[1]
@@ -77,14 +87,20 @@ def test_over_long_prompts_are_skipped_counted_and_named(tmp_path):
 _TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n"), max_size=30)
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3), max_leaves=8,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+    max_leaves=8,
 )
-_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "robot"]),
-                                  "content": _TEXT | st.integers()})
-_ROW = st.fixed_dictionaries({}, optional={
-    "question": _TEXT | st.lists(_MESSAGE, max_size=3) | _JSON, "answer": _TEXT | st.integers() | _JSON,
-    "extra": _JSON,
-})
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "robot"]), "content": _TEXT | st.integers()}
+)
+_ROW = st.fixed_dictionaries(
+    {},
+    optional={
+        "question": _TEXT | st.lists(_MESSAGE, max_size=3) | _JSON,
+        "answer": _TEXT | st.integers() | _JSON,
+        "extra": _JSON,
+    },
+)
 _LINE = st.one_of(
     _ROW.map(lambda row: json.dumps(row).encode()),
     _JSON.map(lambda value: json.dumps(value).encode()),

@@ -11,8 +11,12 @@ from megatron_rl.data.sources import read_records
 
 
 def test_options_shape_the_generated_problems():
-    out = read_records("reasoning_gym:chain_sum", size=20, seed=0,
-                       options={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    out = read_records(
+        "reasoning_gym:chain_sum",
+        size=20,
+        seed=0,
+        options={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    )
     for r in out.records:
         numbers = re.findall(r"\d+", r.text.split(":")[-1])
         assert len(numbers) == 2 and all(len(n) == 1 for n in numbers), r.text

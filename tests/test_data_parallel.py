@@ -35,9 +35,14 @@ COMMON = ["trainer.save_every=1", "trainer.mini_batches=2"]
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            data={"max_prompt_tokens": 128}, rollout={"max_batch_size": 4},
-                            trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+        data={"max_prompt_tokens": 128},
+        rollout={"max_batch_size": 4},
+        trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3},
+    )
     reference = _run(tmp, str(config), "reference", 1, ["pipeline.mode=sync"])
     return tmp, str(config), reference
 
@@ -46,8 +51,10 @@ LAYOUTS = {  # DP = 2 in sync mode: the two-node run
     "dp2_periodic": (2, ["pipeline.mode=periodic"]),
     "tp2_dp2_sync": (4, ["parallel.tp=2", "pipeline.mode=sync"]),
     # + the engine probe at DP 2 (replica 0 measures, every rank merges): it must not disturb training
-    "tp2_dp2_periodic": (4, ["parallel.tp=2", "pipeline.mode=periodic",
-                             "algorithm.rollout_correction.probe_sequences=4"]),
+    "tp2_dp2_periodic": (
+        4,
+        ["parallel.tp=2", "pipeline.mode=periodic", "algorithm.rollout_correction.probe_sequences=4"],
+    ),
     "pp2_dp2_sync": (4, ["parallel.pp=2", "pipeline.mode=sync"]),  # rank 0 holds no loss: metrics of the world
 }
 
@@ -69,8 +76,9 @@ def layout_run(setup):
 
 def _run(tmp, config, name, world, overrides):
     out = tmp / name
-    ranks = run_distributed(train_recorded, world, config, [*COMMON, *overrides, f"trainer.save_dir={out}"],
-                            timeout_s=600)
+    ranks = run_distributed(
+        train_recorded, world, config, [*COMMON, *overrides, f"trainer.save_dir={out}"], timeout_s=600
+    )
     history, results = ranks[0]
     return out, history, results
 
@@ -136,12 +144,40 @@ def test_two_node_dp2_sync_run_equals_the_one_node_run(setup):
     tmp, config, (ref_dir, ref_hist, _) = setup
     out, port = tmp / "two_nodes", free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-         "-m", "megatron_rl", "train", config, "--platform", TRAIN_PLATFORM, *COMMON, "pipeline.mode=sync",
-         f"trainer.save_dir={out}", f"trainer.log_dir={tmp / 'two_nodes_logs'}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "-m",
+                "megatron_rl",
+                "train",
+                config,
+                "--platform",
+                TRAIN_PLATFORM,
+                *COMMON,
+                "pipeline.mode=sync",
+                f"trainer.save_dir={out}",
+                f"trainer.log_dir={tmp / 'two_nodes_logs'}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     assert_same_weights(tmp, ref_dir, out)
@@ -151,8 +187,11 @@ def test_two_node_dp2_sync_run_equals_the_one_node_run(setup):
 
 RESUMES = {  # saved by -> resumed at (world, overrides)
     "tp2_dp2_to_tp1_dp1": ("tp2_dp2_sync", 1, []),
-    "tp1_dp1_to_tp2_dp2_distributed_optimizer": ("reference", 4, ["parallel.tp=2",
-                                                                   "parallel.distributed_optimizer=true"]),
+    "tp1_dp1_to_tp2_dp2_distributed_optimizer": (
+        "reference",
+        4,
+        ["parallel.tp=2", "parallel.distributed_optimizer=true"],
+    ),
 }
 
 
@@ -163,8 +202,13 @@ def test_resume_on_another_layout_continues_exactly(setup, layout_run, direction
     tmp, config, (ref_dir, _, _) = setup
     saved_by, world, layout = RESUMES[direction]
     saved = ref_dir if saved_by == "reference" else layout_run(saved_by)[0]
-    out, history, _ = _run(tmp, config, f"resumed_{direction}", world,
-                           [*layout, "pipeline.mode=sync", f"trainer.resume_from={saved / 'step_2'}"])
+    out, history, _ = _run(
+        tmp,
+        config,
+        f"resumed_{direction}",
+        world,
+        [*layout, "pipeline.mode=sync", f"trainer.resume_from={saved / 'step_2'}"],
+    )
     assert len(history) == 1
     assert_same_weights(tmp, ref_dir, out)
     want, got = _optimizer_state(ref_dir / "step_3"), _optimizer_state(out / "step_3")

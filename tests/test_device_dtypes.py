@@ -34,9 +34,13 @@ def _exact_k3(x: float) -> float:
 
 
 def test_k3_in_fp32_is_as_accurate_as_the_exact_value_rounded():
-    magnitudes = torch.cat([torch.logspace(-10, -2, 300, dtype=torch.float64),  # k3 ≈ δ²/2: fp32 cancels
-                            torch.linspace(0.01, 3.0, 300, dtype=torch.float64),  # across the series' edge (1)
-                            torch.tensor([1 - 1e-6, 1.0, 1 + 1e-6, 10.0, 30.0, 80.0], dtype=torch.float64)])
+    magnitudes = torch.cat(
+        [
+            torch.logspace(-10, -2, 300, dtype=torch.float64),  # k3 ≈ δ²/2: fp32 cancels
+            torch.linspace(0.01, 3.0, 300, dtype=torch.float64),  # across the series' edge (1)
+            torch.tensor([1 - 1e-6, 1.0, 1 + 1e-6, 10.0, 30.0, 80.0], dtype=torch.float64),
+        ]
+    )
     delta = torch.cat([magnitudes, -magnitudes]).float()  # the fp32 values are the inputs
     exact = torch.tensor([_exact_k3(x) for x in delta.tolist()], dtype=torch.float64)
     got = k3_of_log_ratio(delta)
@@ -73,20 +77,36 @@ def _batch(device):
     behav = logp - delta
     behav[0, 4] = float("nan")  # a non-finite engine log-prob: dropped, counted
     versions = torch.tensor([3, 2, 3, 1])[:, None].expand(B, L)
-    tensors = {"logp": logp, "old_logp": logp + 0.01 * torch.randn(B, L, generator=g),
-               "ref_logp": logp - 0.05, "behav_logp": behav, "entropy": torch.rand(B, L, generator=g),
-               "mask": mask, "advantages": torch.tensor([1.0, -0.5, 0.3, -1.2]), "versions": versions}
+    tensors = {
+        "logp": logp,
+        "old_logp": logp + 0.01 * torch.randn(B, L, generator=g),
+        "ref_logp": logp - 0.05,
+        "behav_logp": behav,
+        "entropy": torch.rand(B, L, generator=g),
+        "mask": mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.3, -1.2]),
+        "versions": versions,
+    }
     return {k: v.to(device) for k, v in tensors.items()}
 
 
 SETTINGS = [
     LossSettings(kind="grpo", kl_coef=0.1, correction=RolloutCorrection(mode="token_truncate", c_max=2.0)),
-    LossSettings(kind="dapo", clip_high=0.28, entropy_coef=0.01,
-                 correction=RolloutCorrection(mode="sequence_mask", c_min=0.5, c_max=2.0, delta=0.05)),
-    LossSettings(kind="dr_grpo", max_response_len=L, correction=RolloutCorrection(mode="geometric_mask",
-                                                                                  c_min=0.9, c_max=1.1)),
-    LossSettings(kind="ppo_decoupled", proximal="recompute", behav_weight_cap=5.0,
-                 correction=RolloutCorrection(mode="token_mask", c_min=0.5, c_max=2.0, delta=0.1)),
+    LossSettings(
+        kind="dapo",
+        clip_high=0.28,
+        entropy_coef=0.01,
+        correction=RolloutCorrection(mode="sequence_mask", c_min=0.5, c_max=2.0, delta=0.05),
+    ),
+    LossSettings(
+        kind="dr_grpo", max_response_len=L, correction=RolloutCorrection(mode="geometric_mask", c_min=0.9, c_max=1.1)
+    ),
+    LossSettings(
+        kind="ppo_decoupled",
+        proximal="recompute",
+        behav_weight_cap=5.0,
+        correction=RolloutCorrection(mode="token_mask", c_min=0.5, c_max=2.0, delta=0.1),
+    ),
 ]
 
 
@@ -126,8 +146,11 @@ def test_a_micro_batch_runs_under_the_emulated_910b_profile(device, settings):
 def test_a_decoupled_a3po_micro_batch_computes_no_fp64_and_no_data_dependent_shape(device):
     """A-3PO (``proximal: loglinear``): the version check in ``loglinear_proximal_logp`` reads one
     flag per micro-batch (left as it is: see the report); no other rule is broken."""
-    settings = LossSettings(kind="ppo_decoupled", proximal="loglinear",
-                            correction=RolloutCorrection(mode="token_mask", c_min=0.5, c_max=2.0, delta=0.1))
+    settings = LossSettings(
+        kind="ppo_decoupled",
+        proximal="loglinear",
+        correction=RolloutCorrection(mode="token_mask", c_min=0.5, c_max=2.0, delta=0.1),
+    )
     with DeviceOpRecorder() as rec:
         _micro_batch(settings, _batch(device))
     assert rec.violations(host_reads=False) == {}

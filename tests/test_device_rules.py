@@ -76,8 +76,12 @@ def _fp64_all_reduce() -> None:
     PolicyTrainer._global_totals = fp64_totals
 
 
-PLANTED = {"host_tensor_in_loss": _host_batch_in_the_loss, "host_tensor_in_collective": _host_totals_in_a_collective,
-           "fp64_on_the_device": _fp64_on_the_device, "fp64_all_reduce": _fp64_all_reduce}
+PLANTED = {
+    "host_tensor_in_loss": _host_batch_in_the_loss,
+    "host_tensor_in_collective": _host_totals_in_a_collective,
+    "fp64_on_the_device": _fp64_on_the_device,
+    "fp64_all_reduce": _fp64_all_reduce,
+}
 
 
 def _train_planted(bug: str, platform: str, config: str) -> str:
@@ -98,16 +102,25 @@ def _train_planted(bug: str, platform: str, config: str) -> str:
 def config(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("device_rules")
     model = make_tiny_rl_model(tmp / "model")
-    return str(tiny_rl_config(tmp, model, pipeline={"mode": "sync", "micro_batch_tokens": 256},
-                              trainer={"steps": 1, "prompts_per_batch": 2}))
+    return str(
+        tiny_rl_config(
+            tmp,
+            model,
+            pipeline={"mode": "sync", "micro_batch_tokens": 256},
+            trainer={"steps": 1, "prompts_per_batch": 2},
+        )
+    )
 
 
-@pytest.mark.parametrize(("bug", "world", "passes_on", "fails_on", "message"), [
-    ("host_tensor_in_loss", 1, "cpu", CUDA_PLATFORM, "Expected all tensors to be on the same device"),
-    ("host_tensor_in_collective", 2, "cpu", CUDA_PLATFORM, "No backend type associated with device type cpu"),
-    ("fp64_on_the_device", 1, CUDA_PLATFORM, TRAIN_PLATFORM, "aten::expm1: argument 'self' is a Double tensor"),
-    ("fp64_all_reduce", 2, CUDA_PLATFORM, TRAIN_PLATFORM, "Unsupported data type at::kDouble"),
-])
+@pytest.mark.parametrize(
+    ("bug", "world", "passes_on", "fails_on", "message"),
+    [
+        ("host_tensor_in_loss", 1, "cpu", CUDA_PLATFORM, "Expected all tensors to be on the same device"),
+        ("host_tensor_in_collective", 2, "cpu", CUDA_PLATFORM, "No backend type associated with device type cpu"),
+        ("fp64_on_the_device", 1, CUDA_PLATFORM, TRAIN_PLATFORM, "aten::expm1: argument 'self' is a Double tensor"),
+        ("fp64_all_reduce", 2, CUDA_PLATFORM, TRAIN_PLATFORM, "Unsupported data type at::kDouble"),
+    ],
+)
 def test_a_planted_device_bug_fails_where_its_rule_holds(config, bug, world, passes_on, fails_on, message):
     passing = run_distributed(_train_planted, world, bug, passes_on, config, timeout_s=600)
     assert passing == ["ok"] * world, passing

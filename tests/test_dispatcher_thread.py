@@ -47,11 +47,19 @@ class FakeLeader:
 def _run(mode: str, threaded: bool) -> FakeLeader:
     engine = FakeEngine(order_seed=5, delay_s=0.02)
     pipe = Pipeline(
-        engine=engine, prompts=FakePrompts([f"p{i}" for i in range(8)], per_batch=8), reward_fn=parity_reward,
-        detokenize=detokenize, controller=FixedController(4), sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS),
-        scoring=GroupScoring(), settings=PipelineSettings(mode=mode, seed=7, micro_batch_tokens=64, poll_s=0.01,
-                                                          mini_batches=2, join_timeout_s=5.0),
-        num_steps=1, replicas=3)
+        engine=engine,
+        prompts=FakePrompts([f"p{i}" for i in range(8)], per_batch=8),
+        reward_fn=parity_reward,
+        detokenize=detokenize,
+        controller=FixedController(4),
+        sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS),
+        scoring=GroupScoring(),
+        settings=PipelineSettings(
+            mode=mode, seed=7, micro_batch_tokens=64, poll_s=0.01, mini_batches=2, join_timeout_s=5.0
+        ),
+        num_steps=1,
+        replicas=3,
+    )
     leader = FakeLeader(engine, threaded=threaded)
     with deadline(120), pipe:
         run_step(pipe, leader)
@@ -100,8 +108,27 @@ def test_bench_dispatcher_reports_its_figures_in_one_json_line(capsys, monkeypat
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(__import__("sys").modules, "bench_dispatcher", bench)  # its dataclasses look it up
     spec.loader.exec_module(bench)
-    assert bench.main(["--replicas", "4", "--engines", "2", "--prompts", "8", "--group-size", "4",
-                       "--median-response", "64", "--max-response", "256", "--steps", "1"]) == 0
+    assert (
+        bench.main(
+            [
+                "--replicas",
+                "4",
+                "--engines",
+                "2",
+                "--prompts",
+                "8",
+                "--group-size",
+                "4",
+                "--median-response",
+                "64",
+                "--max-response",
+                "256",
+                "--steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     (line,) = capsys.readouterr().out.strip().splitlines()
     report = json.loads(line)
     assert report["replicas"] == 4 and report["tokens_per_step"] > 8 * 4

@@ -87,7 +87,7 @@ def _empty_rank_worker(path, kind):
 
 
 def test_a_replica_without_micro_batches_still_steps_with_zero_gradients(checkpoint):  # noqa: F811
-    (ref, _), = run_distributed(_reference_worker, 1, checkpoint, "grpo")
+    ((ref, _),) = run_distributed(_reference_worker, 1, checkpoint, "grpo")
     for weights, skipped in run_distributed(_empty_rank_worker, 2, checkpoint, "grpo"):
         assert not skipped
         _assert_same(weights, ref)
@@ -105,11 +105,31 @@ def _arriving_groups(n: int, seed: int) -> list:
     for i in range(n):
         prompt = tuple(range(1, 2 + rng.randrange(3)))
         lens = [1 + rng.randrange(5) for _ in range(2)]
-        samples = tuple(Sample(prompt_id=f"p{i}", request_id=f"0/p{i}/{k}", index=k, prompt_ids=prompt,
-                               response_ids=(5,) * n_k, behav_logprobs=(-0.5,) * n_k, weight_version=0,
-                               finish_reason="stop", reward=0.0) for k, n_k in enumerate(lens))
-        out.append(ScoredGroup(step=0, prompt_index=i, prompt_id=f"p{i}", samples=samples,
-                               rewards=torch.zeros(2), advantages=torch.ones(2), kept=True))
+        samples = tuple(
+            Sample(
+                prompt_id=f"p{i}",
+                request_id=f"0/p{i}/{k}",
+                index=k,
+                prompt_ids=prompt,
+                response_ids=(5,) * n_k,
+                behav_logprobs=(-0.5,) * n_k,
+                weight_version=0,
+                finish_reason="stop",
+                reward=0.0,
+            )
+            for k, n_k in enumerate(lens)
+        )
+        out.append(
+            ScoredGroup(
+                step=0,
+                prompt_index=i,
+                prompt_id=f"p{i}",
+                samples=samples,
+                rewards=torch.zeros(2),
+                advantages=torch.ones(2),
+                kept=True,
+            )
+        )
     return out
 
 
@@ -137,11 +157,25 @@ def test_streamed_overflow_cuts_every_replica_its_own_micro_batches(replicas):
     from megatron_rl.pipeline.records import BatchEnd, BatchStart
 
     groups, budget = _arriving_groups(24, seed=replicas), 20
-    items = iter([*groups, BatchEnd(step=0, group_size=2, response_lengths=(), groups_produced=24,
-                                    groups_dropped=0, source_state=None)])
-    batch = StepBatch(start=BatchStart(step=0, num_prompts=24, group_size=2), policy_version=0,
-                      num_mini_batches=1, token_budget=budget, streamed=True, flush_when_idle=True,
-                      pop=lambda: next(items), queue_empty=lambda: False, replicas=replicas)
+    items = iter(
+        [
+            *groups,
+            BatchEnd(
+                step=0, group_size=2, response_lengths=(), groups_produced=24, groups_dropped=0, source_state=None
+            ),
+        ]
+    )
+    batch = StepBatch(
+        start=BatchStart(step=0, num_prompts=24, group_size=2),
+        policy_version=0,
+        num_mini_batches=1,
+        token_budget=budget,
+        streamed=True,
+        flush_when_idle=True,
+        pop=lambda: next(items),
+        queue_empty=lambda: False,
+        replicas=replicas,
+    )
     got = {r: [] for r in range(replicas)}
     for mini in batch.mini_batches():
         for mb in mini:

@@ -54,8 +54,11 @@ def test_fp64_compute_on_the_device_fails_under_npu_only():
     d = x.to(DEV)
     torch.testing.assert_close(torch.expm1(d).cpu(), torch.expm1(x))  # cuda: fp64 computes
     with emulated.profile("npu"):
-        with pytest.raises(RuntimeError, match=rf"aten::expm1: argument 'self' is a Double tensor on {DEV}, "
-                                               rf"and the NPU .* does not compute Double; {FIX}"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"aten::expm1: argument 'self' is a Double tensor on {DEV}, "
+            rf"and the NPU .* does not compute Double; {FIX}",
+        ):
             torch.expm1(d)
         with pytest.raises(RuntimeError, match=r"aten::sum.dim_IntList: its result is a Double"):
             d.float().sum(0, dtype=torch.float64)  # fp64 made on the device from fp32 inputs
@@ -68,8 +71,15 @@ def test_fp64_storage_casts_and_views_work_under_npu():
     x = torch.arange(6, dtype=torch.float64)
     with emulated.profile("npu"):
         d = x.to(DEV)  # h2d, stored as fp64
-        moved = [d.clone(), d.view(2, 3).t().contiguous(), torch.cat([d, d])[:6], torch.stack([d])[0],
-                 d.float().double(), d[1:], torch.zeros(6, dtype=torch.float64, device=DEV)]
+        moved = [
+            d.clone(),
+            d.view(2, 3).t().contiguous(),
+            torch.cat([d, d])[:6],
+            torch.stack([d])[0],
+            d.float().double(),
+            d[1:],
+            torch.zeros(6, dtype=torch.float64, device=DEV),
+        ]
         assert all(t.dtype == torch.float64 and t.device == torch.device(DEV) for t in moved)
         assert torch.equal(moved[1].cpu(), x.view(2, 3).t().contiguous()) and d[2].item() == 2.0
         assert torch.equal(d.cpu(), x) and d.float().sum().item() == 15.0
@@ -80,8 +90,11 @@ def test_type_strings_read_torch_npu_under_npu():
     x, p = torch.ones(2, device=DEV), torch.nn.Parameter(torch.ones(2, device=DEV, dtype=torch.bfloat16))
     assert x.type() == "torch.emulated.FloatTensor"
     with emulated.profile("npu"):
-        assert (x.type(), x.double().type(), p.type()) == ("torch.npu.FloatTensor", "torch.npu.DoubleTensor",
-                                                           "torch.npu.BFloat16Tensor")
+        assert (x.type(), x.double().type(), p.type()) == (
+            "torch.npu.FloatTensor",
+            "torch.npu.DoubleTensor",
+            "torch.npu.BFloat16Tensor",
+        )
         assert torch.ones(1).type() == "torch.FloatTensor"  # host tensors unchanged
         cast = x.type(torch.float64)  # .type(dtype) still casts
         assert isinstance(cast, torch.Tensor) and cast.dtype == torch.float64
@@ -95,8 +108,11 @@ def test_allocation_past_capacity_raises_out_of_memory(name):
         emulated.set_memory_capacity(torch.emulated.memory_allocated(0) + (3 << 20))  # 3 MiB free
         keep = torch.empty(1 << 19, device=DEV)  # 2 MiB
         before = torch.emulated.memory_allocated(0)
-        with pytest.raises(torch.OutOfMemoryError, match=rf"{device} out of memory. Tried to allocate 2.00 MiB "
-                                                         rf"\(emulated:0; .* total capacity; .* already allocated\)"):
+        with pytest.raises(
+            torch.OutOfMemoryError,
+            match=rf"{device} out of memory. Tried to allocate 2.00 MiB "
+            rf"\(emulated:0; .* total capacity; .* already allocated\)",
+        ):
             torch.empty(1 << 19, device=DEV)
         with pytest.raises(torch.OutOfMemoryError):
             keep * 2  # an op's output counts too
@@ -129,13 +145,24 @@ def test_data_dependent_shapes_count_as_host_syncs(name):
     x = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEV)
     mask, idx, reps = x > 0, torch.tensor([0, 2], device=DEV), torch.tensor([1, 2, 0, 1], device=DEV)
     with emulated.profile(name):
-        for op in (lambda: x[mask], lambda: torch.nonzero(x), lambda: torch.unique(x), lambda: x.masked_select(mask),
-                   lambda: torch.repeat_interleave(reps), lambda: x.repeat_interleave(reps, dim=0),
-                   lambda: x.index_put_((mask,), torch.ones(2, device=DEV))):
+        for op in (
+            lambda: x[mask],
+            lambda: torch.nonzero(x),
+            lambda: torch.unique(x),
+            lambda: x.masked_select(mask),
+            lambda: torch.repeat_interleave(reps),
+            lambda: x.repeat_interleave(reps, dim=0),
+            lambda: x.index_put_((mask,), torch.ones(2, device=DEV)),
+        ):
             delta = _syncs(op)
             assert (delta.syncs, delta.d2h, delta.h2d) == (1, 1, 0)
-        for op in (lambda: x[idx], lambda: x[1:], lambda: torch.where(mask, x, 0.0),
-                   lambda: torch.repeat_interleave(reps, output_size=4), lambda: x.masked_fill(mask, 0.0)):
+        for op in (
+            lambda: x[idx],
+            lambda: x[1:],
+            lambda: torch.where(mask, x, 0.0),
+            lambda: torch.repeat_interleave(reps, output_size=4),
+            lambda: x.masked_fill(mask, 0.0),
+        ):
             assert _syncs(op) == emulated.TransferCounts()
 
 
@@ -165,11 +192,13 @@ def _hccl_rules() -> dict[str, str]:
         "fp64_all_reduce": lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64, device=dev)),
         "bool_all_reduce": lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool, device=dev)),
         "non_contiguous": lambda: dist.all_reduce(torch.ones(4, 4, device=dev).t()),
-        "gather": lambda: dist.gather(torch.ones(2, device=dev), [torch.empty(2, device=dev)] * 2 if rank == 0
-                                      else None, dst=0),
+        "gather": lambda: dist.gather(
+            torch.ones(2, device=dev), [torch.empty(2, device=dev)] * 2 if rank == 0 else None, dst=0
+        ),
         "band": lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32, device=dev), op=dist.ReduceOp.BAND),
-        "fp64_reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64, device=dev),
-                                                                   torch.ones(4, dtype=torch.float64, device=dev)),
+        "fp64_reduce_scatter": lambda: dist.reduce_scatter_tensor(
+            torch.empty(2, dtype=torch.float64, device=dev), torch.ones(4, dtype=torch.float64, device=dev)
+        ),
     }
     for name, call in planted.items():
         with pytest.raises(RuntimeError) as caught:

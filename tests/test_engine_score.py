@@ -35,8 +35,14 @@ def _sampled(engine):
 
 
 def _score(engine, results, temperature=1.0):
-    return engine.score([ScoreRequest(request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
-                                      temperature=temperature) for r in results])
+    return engine.score(
+        [
+            ScoreRequest(
+                request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=r.response_ids, temperature=temperature
+            )
+            for r in results
+        ]
+    )
 
 
 def _check_against_references(engine, hf_dir, *, temperatures, atol):
@@ -54,9 +60,18 @@ def _check_against_references(engine, hf_dir, *, temperatures, atol):
 
 def test_hf_scores_equal_teacher_forced_and_sampled_logprobs(hf_dir):
     cores = sorted(os.sched_getaffinity(0))
-    engine = EngineWrapper(build_engine(EngineSettings(
-        dtype="float32", engine="hf", model_path=str(hf_dir), num_engines=2,
-        devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"), max_batch_size=3)))
+    engine = EngineWrapper(
+        build_engine(
+            EngineSettings(
+                dtype="float32",
+                engine="hf",
+                model_path=str(hf_dir),
+                num_engines=2,
+                devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"),
+                max_batch_size=3,
+            )
+        )
+    )
     try:
         _check_against_references(engine, hf_dir, temperatures=(1.0, 0.7), atol=1e-4)
         with pytest.raises(ValueError, match="appears twice"):
@@ -70,8 +85,16 @@ def test_vllm_scores_at_temperature_one_only(hf_dir):
     pytest.importorskip("vllm")
     from megatron_rl.rollout import RolloutWorkerError
 
-    engine = build_engine(EngineSettings(engine="vllm", dtype="float32", model_path=str(hf_dir), num_engines=1,
-                                         devices=(f"cpu:{max(os.sched_getaffinity(0))}",), max_batch_size=4))
+    engine = build_engine(
+        EngineSettings(
+            engine="vllm",
+            dtype="float32",
+            model_path=str(hf_dir),
+            num_engines=1,
+            devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
+            max_batch_size=4,
+        )
+    )
     try:
         _check_against_references(engine, hf_dir, temperatures=(1.0,), atol=1e-4)
         with pytest.raises(RolloutWorkerError, match="temperature 1 only"):

@@ -36,9 +36,12 @@ class Faulty:
             self.release.wait(30)
         if self.mode == "sleeps":
             time.sleep(0.5)
-        return {"raises": None, "not_a_result": {"done": True}, "nan": StepResult(observation=(), done=True,
-                reward=math.nan), "no_observation": StepResult(observation=(), done=False)}.get(
-            self.mode, StepResult(observation=({"role": "user", "content": "ok"},), done=False, tool_calls=2))
+        return {
+            "raises": None,
+            "not_a_result": {"done": True},
+            "nan": StepResult(observation=(), done=True, reward=math.nan),
+            "no_observation": StepResult(observation=(), done=False),
+        }.get(self.mode, StepResult(observation=({"role": "user", "content": "ok"},), done=False, tool_calls=2))
 
 
 def test_results_equal_direct_calls():
@@ -52,9 +55,15 @@ def test_results_equal_direct_calls():
     assert stats.as_metrics()["env/steps"] == 2.0 and stats.seconds >= 0
 
 
-@pytest.mark.parametrize(("mode", "kind"), [
-    ("raises", "raised"), ("not_a_result", "bad_result"), ("nan", "bad_result"), ("no_observation", "bad_result"),
-])
+@pytest.mark.parametrize(
+    ("mode", "kind"),
+    [
+        ("raises", "raised"),
+        ("not_a_result", "bad_result"),
+        ("nan", "bad_result"),
+        ("no_observation", "bad_result"),
+    ],
+)
 def test_a_failing_step_ends_its_trajectory(mode, kind, caplog):
     with EnvironmentRunner(timeout_s=5.0, max_failures=10, name="faulty") as runner:
         result = runner.submit_step(Faulty(mode), "turn", tag="p0/1").result()

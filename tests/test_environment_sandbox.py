@@ -34,15 +34,18 @@ def test_plain_run_and_its_directory():
     assert call_python({"cod": "x"}, FAST)[1] is False
 
 
-@pytest.mark.parametrize(("code", "words"), [
-    ("while True:\n    pass", "limit"),  # CPU or wall clock, whichever comes first on a loaded machine
-    ("import time\ntime.sleep(60)", "wall-clock limit"),
-    ("import os\nwhile True:\n    os.fork()", "exit code"),  # RLIMIT_NPROC: fork fails, the bomb stops
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "limit"),
-    ("x = bytearray(2 * 1024 ** 3)", "exit code 1"),  # MemoryError under RLIMIT_AS
-    ("import ctypes\nctypes.string_at(0)", "SIGSEGV"),
-    ("while True:\n    print('x' * 1000)", "output size limit"),
-])
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        ("while True:\n    pass", "limit"),  # CPU or wall clock, whichever comes first on a loaded machine
+        ("import time\ntime.sleep(60)", "wall-clock limit"),
+        ("import os\nwhile True:\n    os.fork()", "exit code"),  # RLIMIT_NPROC: fork fails, the bomb stops
+        ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "limit"),
+        ("x = bytearray(2 * 1024 ** 3)", "exit code 1"),  # MemoryError under RLIMIT_AS
+        ("import ctypes\nctypes.string_at(0)", "SIGSEGV"),
+        ("while True:\n    print('x' * 1000)", "output size limit"),
+    ],
+)
 def test_runaway_code_ends_cleanly(code, words):
     result = _run(code)
     assert not result.ok and words in result.error

@@ -30,11 +30,20 @@ def test_calculator_matches_reasoning_gym_answers(name):
         assert str(evaluate(_expression(record.text))) == record.answer
 
 
-@pytest.mark.parametrize(("expression", "words"), [
-    ("__import__('os').system('true')", "unsupported"), ("open('x')", "unsupported"), ("a + 1", "unsupported"),
-    ("1 / 0", "division by zero"), ("9 ** 9 ** 9", "exponent too large"), ("'a' * 3", "unsupported"),
-    ("(10 ** 3000) * (10 ** 3000)", "digits"), ("1 +", "not an arithmetic"), ("", "non-empty"),
-])
+@pytest.mark.parametrize(
+    ("expression", "words"),
+    [
+        ("__import__('os').system('true')", "unsupported"),
+        ("open('x')", "unsupported"),
+        ("a + 1", "unsupported"),
+        ("1 / 0", "division by zero"),
+        ("9 ** 9 ** 9", "exponent too large"),
+        ("'a' * 3", "unsupported"),
+        ("(10 ** 3000) * (10 ** 3000)", "digits"),
+        ("1 +", "not an arithmetic"),
+        ("", "non-empty"),
+    ],
+)
 def test_calculator_refuses(expression, words):
     with pytest.raises(CalculatorError, match=words):
         evaluate(expression)
@@ -58,12 +67,17 @@ def test_tool_task_turns(kind):
     assert env.step("The product is \\boxed{12}.").reward == 0.0
 
 
-@pytest.mark.parametrize(("kind", "options", "words"), [
-    ("python", {"sandbox": {"cpu_s": 0}}, "positive"), ("python", {"sandbox": {"cpux": 1}}, "cpux"),
-    ("calculator", {"max_tool_calls": 0}, "max_tool_calls"), ("calculator", {"sandbox": {}}, "sandbox"),
-    ("calculator", {"demonstration": [{"role": "bot", "content": "x"}]}, r"demonstration\[0\]"),
-    ("calculator", {"demonstration": "Q: 1+1 A: 2"}, "list of chat messages"),
-])
+@pytest.mark.parametrize(
+    ("kind", "options", "words"),
+    [
+        ("python", {"sandbox": {"cpu_s": 0}}, "positive"),
+        ("python", {"sandbox": {"cpux": 1}}, "cpux"),
+        ("calculator", {"max_tool_calls": 0}, "max_tool_calls"),
+        ("calculator", {"sandbox": {}}, "sandbox"),
+        ("calculator", {"demonstration": [{"role": "bot", "content": "x"}]}, r"demonstration\[0\]"),
+        ("calculator", {"demonstration": "Q: 1+1 A: 2"}, "list of chat messages"),
+    ],
+)
 def test_tool_task_refuses_bad_options(kind, options, words):
     with pytest.raises(ValueError, match=words) as err:
         load_environment(kind, **options)
@@ -79,9 +93,12 @@ def test_tool_task_caps_calls_per_turn():
 
 
 def test_tool_task_demonstration_comes_after_the_system_messages():
-    demo = [{"role": "user", "content": "2*3?"},
-            {"role": "assistant", "content": _call("calculator", expression="2*3")}, {"role": "tool", "content": "6"},
-            {"role": "assistant", "content": "\\boxed{6}"}]
+    demo = [
+        {"role": "user", "content": "2*3?"},
+        {"role": "assistant", "content": _call("calculator", expression="2*3")},
+        {"role": "tool", "content": "6"},
+        {"role": "assistant", "content": "\\boxed{6}"},
+    ]
     env = load_environment("calculator", demonstration=demo, instruction="Use it.")()
     chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "4*5?"}]
     question = {"role": "user", "content": "4*5?\n\nUse it."}

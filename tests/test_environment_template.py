@@ -27,19 +27,32 @@ from megatron_rl.environments.template import (
 SMOLLM2 = Path(__file__).resolve().parents[1] / ".cache/models/smollm2-135m-instruct"
 # TRL ships the original templates of these models; found without importing trl (slow).
 TRL_TEMPLATES = Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "chat_templates"
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-           "<|eot_id|>"]
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 # SmolLM2-135M-Instruct's template (as tools/prepare_model.py writes it): ChatML, no tools.
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-TOOLS = ({"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},)
-TURNS = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>',
-         "So it is 56088. Are you sure?")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TOOLS = (
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    },
+)
+TURNS = (
+    'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>',
+    "So it is 56088. Are you sure?",
+)
 OBSERVATIONS = ([{"role": "tool", "content": "56088"}], [{"role": "user", "content": "Check again."}])
 
 
@@ -66,10 +79,19 @@ def _template(name: str) -> str:
 
 # Llama-3 templates on SmolLM2's BPE would merge the header's "\n\n" with the content's first
 # letter (Llama-3's own tokenizer does not): they run on the byte-level tokenizer only.
-@pytest.mark.parametrize(("template", "tokenizer"), [
-    ("smollm2", "bytes"), ("smollm2", "smollm2"), ("qwen2_5", "bytes"), ("qwen2_5", "smollm2"),
-    ("qwen3", "bytes"), ("qwen3", "smollm2"), ("llama3_1", "bytes"), ("llama3_2", "bytes"),
-])
+@pytest.mark.parametrize(
+    ("template", "tokenizer"),
+    [
+        ("smollm2", "bytes"),
+        ("smollm2", "smollm2"),
+        ("qwen2_5", "bytes"),
+        ("qwen2_5", "smollm2"),
+        ("qwen3", "bytes"),
+        ("qwen3", "smollm2"),
+        ("llama3_1", "bytes"),
+        ("llama3_2", "bytes"),
+    ],
+)
 def test_trajectory_ids_equal_the_template_rendering(tokenizers, template, tokenizer):
     if tokenizer not in tokenizers:
         pytest.skip(f"{SMOLLM2} not prepared (python tools/prepare_model.py)")
@@ -84,10 +106,11 @@ def test_trajectory_ids_equal_the_template_rendering(tokenizers, template, token
         ids += observation_ids(tok, observation, TOOLS)
         conversation += [{"role": "assistant", "content": text}, *observation]
     messages, tools = with_tools(tok, conversation, TOOLS)
-    expected = tok.apply_chat_template(messages, tools=tools or None, tokenize=True, add_generation_prompt=True,
-                                       return_dict=True)["input_ids"]
+    expected = tok.apply_chat_template(
+        messages, tools=tools or None, tokenize=True, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     assert ids == list(expected)
-    assert "calculator" in tok.decode(ids[:20 + len(ids) // 2])  # the tool schema is in the prompt
+    assert "calculator" in tok.decode(ids[: 20 + len(ids) // 2])  # the tool schema is in the prompt
 
 
 def test_observation_ids_of_smollm2(tokenizers):
@@ -98,14 +121,23 @@ def test_observation_ids_of_smollm2(tokenizers):
     assert tok.convert_ids_to_tokens(end_of_turn_id(tok)) == "<|im_end|>"
 
 
-@pytest.mark.parametrize(("template", "words"), [
-    # the generation header is not how the template starts an assistant turn it renders
-    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-     "{% if add_generation_prompt %}<|im_start|>assistant\nSure:{% endif %}", "not prefix-stable"),
-    # an assistant turn closed by plain text, not one end-of-turn token
-    ("{% for m in messages %}### {{ m.role }}: {{ m.content }}\n\n{% endfor %}"
-     "{% if add_generation_prompt %}### assistant: {% endif %}", "end-of-turn token"),
-])
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        # the generation header is not how the template starts an assistant turn it renders
+        (
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\nSure:{% endif %}",
+            "not prefix-stable",
+        ),
+        # an assistant turn closed by plain text, not one end-of-turn token
+        (
+            "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n\n{% endfor %}"
+            "{% if add_generation_prompt %}### assistant: {% endif %}",
+            "end-of-turn token",
+        ),
+    ],
+)
 def test_unusable_templates_raise(tokenizers, template, words):
     tok = byte_tokenizer()
     tok.chat_template = template
@@ -114,10 +146,12 @@ def test_unusable_templates_raise(tokenizers, template, words):
 
 
 def test_parse_tool_calls():
-    text = ('a <tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call> b '
-            '<tool_call>\n{"name": "calc", "arguments": "{\\"x\\": 2}"}\n</tool_call>'
-            '<tool_call>{"name": 3}</tool_call><tool_call>{nope}</tool_call>'
-            '<tool_call>{"name": "calc", "arguments": [1]}</tool_call><tool_call>{"name": "calc"')
+    text = (
+        'a <tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call> b '
+        '<tool_call>\n{"name": "calc", "arguments": "{\\"x\\": 2}"}\n</tool_call>'
+        '<tool_call>{"name": 3}</tool_call><tool_call>{nope}</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": [1]}</tool_call><tool_call>{"name": "calc"'
+    )
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls[:2]] == [("calc", {"x": 1}), ("calc", {"x": 2})]
     assert [c.error is None for c in calls] == [True, True, False, False, False, False]

@@ -34,19 +34,23 @@ def test_builtin_and_dotted_path_make_fresh_environments():
     assert record["question"] == "1+2?" and record["messages"] == [{"role": "user", "content": "1+2?\n\nBox it."}]
     env = load_environment("echo", turns=2)()
     assert env.reset(record) == record["messages"]
-    assert env.step("abcd") == StepResult(observation=(
-        {"role": "user", "content": "Turn 1: you wrote 4 characters. Go on."},), done=False)
+    assert env.step("abcd") == StepResult(
+        observation=({"role": "user", "content": "Turn 1: you wrote 4 characters. Go on."},), done=False
+    )
     assert env.step("x") == StepResult(observation=(), done=True)
 
 
-@pytest.mark.parametrize(("spec", "options", "key", "words"), [
-    ("ecko", {}, "environment.kind", "not one of"),
-    ("no_such_pkg.mod:Env", {}, "environment.kind", "cannot import module"),
-    ("os:path", {}, "environment.kind", "not a class or function"),
-    ("tests.test_environments:NoStep", {}, "environment.kind", "missing step"),
-    ("echo", {"turn": 2}, "environment.options", "unexpected keyword"),
-    ("echo", {"turns": 0}, "environment.options", "turns must be"),
-])
+@pytest.mark.parametrize(
+    ("spec", "options", "key", "words"),
+    [
+        ("ecko", {}, "environment.kind", "not one of"),
+        ("no_such_pkg.mod:Env", {}, "environment.kind", "cannot import module"),
+        ("os:path", {}, "environment.kind", "not a class or function"),
+        ("tests.test_environments:NoStep", {}, "environment.kind", "missing step"),
+        ("echo", {"turn": 2}, "environment.options", "unexpected keyword"),
+        ("echo", {"turns": 0}, "environment.options", "turns must be"),
+    ],
+)
 def test_load_errors_name_the_key(spec, options, key, words):
     with pytest.raises(ValueError, match=words) as err:
         load_environment(spec, **options)
@@ -59,14 +63,17 @@ def test_chat_messages_round_trip():
     assert record["messages"] == [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
 
 
-@pytest.mark.parametrize(("env", "key"), [
-    ({"kind": "ecko"}, "environment.kind"),
-    ({"kind": "none", "options": {"turns": 2}}, "environment.options"),
-    ({"kind": "no_such_pkg:Env"}, "environment.kind"),
-    ({"kind": "echo", "max_turns": 0}, "environment.max_turns"),
-    ({"kind": "echo", "step_timeout_s": 0}, "environment.step_timeout_s"),
-    ({"kind": "echo", "max_failures": -1}, "environment.max_failures"),
-])
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [
+        ({"kind": "ecko"}, "environment.kind"),
+        ({"kind": "none", "options": {"turns": 2}}, "environment.options"),
+        ({"kind": "no_such_pkg:Env"}, "environment.kind"),
+        ({"kind": "echo", "max_turns": 0}, "environment.max_turns"),
+        ({"kind": "echo", "step_timeout_s": 0}, "environment.step_timeout_s"),
+        ({"kind": "echo", "max_failures": -1}, "environment.max_failures"),
+    ],
+)
 def test_check_config_refuses_bad_environment(tmp_path, capsys, env, key):
     model = _model(tmp_path)
     code, err = _check(capsys, _config(tmp_path, model, "reasoning_gym:basic_arithmetic", environment=env))

@@ -42,12 +42,18 @@ WEIGHT_TOL = 1e-5  # fp32: the experts' sums run in another order at EP 2 than a
 
 # ---- the plan (fakes, no process) ------------------------------------------------------------
 
+
 def _lockstep_run(mode: str, replicas: int, *, prompts: int, mini_batches: int, lockstep: bool = True):
     engine = FakeEngine(order_seed=5, delay_s=0.0002)
     trainer = FakeTrainer(engine)
-    pipe = make_pipeline(engine, mode=mode, max_staleness=1 if mode == "stale" else 0, tokens=20,
-                         prompts=FakePrompts([f"p{i}" for i in range(12)], per_batch=prompts),
-                         mini_batches=mini_batches)
+    pipe = make_pipeline(
+        engine,
+        mode=mode,
+        max_staleness=1 if mode == "stale" else 0,
+        tokens=20,
+        prompts=FakePrompts([f"p{i}" for i in range(12)], per_batch=prompts),
+        mini_batches=mini_batches,
+    )
     pipe._replicas = replicas  # what build_run passes as Pipeline(replicas=layout.dp)
     pipe.settings = dataclasses.replace(pipe.settings, lockstep_replicas=lockstep)  # from_config: parallel.ep > 1
     with deadline(60), pipe:
@@ -68,7 +74,7 @@ def test_lockstep_replicas_train_equal_rounds(mode, replicas, prompts, mini_batc
     for mbs in _per_optimizer_step(trainer):
         assert len(mbs) % replicas == 0, [mb.replica for mb in mbs]
         for k in range(0, len(mbs), replicas):  # a round: one per replica, replica 0 (rank 0's own) last
-            assert [mb.replica for mb in mbs[k:k + replicas]] == list(reversed(range(replicas)))
+            assert [mb.replica for mb in mbs[k : k + replicas]] == list(reversed(range(replicas)))
         assert len({mb.mini_batch for mb in mbs}) == 1
         for mb in filter(is_padding, mbs):
             assert mb.packed.num_tokens == 2 and mb.advantages.abs().sum() == 0
@@ -85,8 +91,10 @@ def test_without_lockstep_nothing_is_padded():
     trainer, summaries = _lockstep_run("periodic", 2, prompts=3, mini_batches=1, lockstep=False)
     assert not any(map(is_padding, trainer.micro_batches))
     assert all("train/padding_micro_batches" not in s.extra_metrics for s in summaries)
-    counts = [[mb.replica for mb in mbs].count(0) - [mb.replica for mb in mbs].count(1)
-              for mbs in _per_optimizer_step(trainer)]
+    counts = [
+        [mb.replica for mb in mbs].count(0) - [mb.replica for mb in mbs].count(1)
+        for mbs in _per_optimizer_step(trainer)
+    ]
     assert any(counts), "uneven batches expected: the lockstep cases above would test nothing"
 
 
@@ -97,8 +105,9 @@ def test_padding_micro_batch_keeps_routes_and_trains_nothing():
 
     real = make_groups(50, masked=True)[2]
     s = real.samples[0]
-    routes = RoutedExperts(indices=np.arange(len(s.prompt_ids) + len(s.response_ids) - 1).repeat(6)
-                           .reshape(-1, 3, 2).astype(np.int16))
+    routes = RoutedExperts(
+        indices=np.arange(len(s.prompt_ids) + len(s.response_ids) - 1).repeat(6).reshape(-1, 3, 2).astype(np.int16)
+    )
     group = dataclasses.replace(real, samples=(dataclasses.replace(s, routed_experts=routes),))
     mb = padding_micro_batch(group, policy_version=4, mini_batch=1, replica=3)
     assert (mb.policy_version, mb.mini_batch, mb.replica, mb.step) == (4, 1, 3, group.step)
@@ -121,8 +130,9 @@ def test_bench_train_scope_pads_as_training_does(tmp_path):
     model = write_char_moe(tmp_path / "model")
     config = tiny_rl_config(tmp_path, model, trainer={"prompts_per_batch": 3})
     cfg = load_config(config, ["parallel.ep=2", "data.max_prompt_tokens=40", "pipeline.micro_batch_tokens=60"])
-    opts = BenchOptions(scope="train", prompt_len=LengthDist(kind="fixed", a=16),
-                        response_len=LengthDist(kind="fixed", a=8))
+    opts = BenchOptions(
+        scope="train", prompt_len=LengthDist(kind="fixed", a=16), response_len=LengthDist(kind="fixed", a=8)
+    )
     steps = SyntheticSteps(cfg, SyntheticGroups.from_config(cfg, opts, 50), replicas=2)
     steps.prepare()
     mbs = [mb for mini in steps.begin_step().mini_batches() for mb in mini]
@@ -196,12 +206,15 @@ def world(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ep_uneven")
     model = write_char_moe(tmp / "model", seed=1)
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            trainer={"prompts_per_batch": 3})
+    config = tiny_rl_config(
+        tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"}, trainer={"prompts_per_batch": 3}
+    )
     start = time.perf_counter()
     ranks = run_distributed(_world, 4, model, str(config), tmp, timeout_s=900)
-    print(f"world of 4: {time.perf_counter() - start:.1f} s; per run (rank 0): "
-          f"{ {k: round(v[1], 1) for k, v in ranks[0].items() if k != 'zero'} }")
+    print(
+        f"world of 4: {time.perf_counter() - start:.1f} s; per run (rank 0): "
+        f"{ {k: round(v[1], 1) for k, v in ranks[0].items() if k != 'zero'} }"
+    )
     return tmp, ranks
 
 

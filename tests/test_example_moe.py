@@ -25,10 +25,17 @@ def test_moe_replay_example_trains_two_steps(tmp_path):
     from megatron_rl.models.synthetic import write_char_moe
 
     model = write_char_moe(tmp_path / "model")
-    overrides = [f"model.hf_path={model}", "data.chat_template=false", "data.size=32",
-                 "rollout.sampling.max_new_tokens=16", "trainer.steps=2", f"trainer.log_dir={tmp_path}"]
-    (history,) = run_distributed(train_run, 1, str(REPO / "examples/moe_replay_smollm2/config.yaml"), overrides,
-                                 timeout_s=900)
+    overrides = [
+        f"model.hf_path={model}",
+        "data.chat_template=false",
+        "data.size=32",
+        "rollout.sampling.max_new_tokens=16",
+        "trainer.steps=2",
+        f"trainer.log_dir={tmp_path}",
+    ]
+    (history,) = run_distributed(
+        train_run, 1, str(REPO / "examples/moe_replay_smollm2/config.yaml"), overrides, timeout_s=900
+    )
     assert [h["train/version"] for h in history] == [1.0, 2.0]
     for h in history:
         assert h["mismatch/n_tokens"] > 0 and h["mismatch/kl_k3"] < 1e-3

@@ -46,13 +46,20 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     steps = STEPS.get(recipe, 2)
     multiturn = "environment" in yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())
     model = request.getfixturevalue("tiny_chat_model" if multiturn else "tiny_model")
-    overrides = [f"model.hf_path={model}", "data.chat_template=false", "data.size=32",
-                 "rollout.sampling.max_new_tokens=16", f"trainer.steps={steps}", f"trainer.log_dir={tmp_path}",
-                 "algorithm.overlong.buffer=4"]
+    overrides = [
+        f"model.hf_path={model}",
+        "data.chat_template=false",
+        "data.size=32",
+        "rollout.sampling.max_new_tokens=16",
+        f"trainer.steps={steps}",
+        f"trainer.log_dir={tmp_path}",
+        "algorithm.overlong.buffer=4",
+    ]
     if multiturn:  # one character a token: the tool description and the worked examples are ~1500 tokens
         overrides += ["environment.max_total_tokens=1800", "pipeline.micro_batch_tokens=2400"]
-    (history,) = run_distributed(train_run, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides,
-                                 timeout_s=900)
+    (history,) = run_distributed(
+        train_run, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides, timeout_s=900
+    )
     assert [h["train/version"] for h in history] == [float(v) for v in range(1, steps + 1)]
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps
     if multiturn:

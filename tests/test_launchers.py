@@ -26,19 +26,49 @@ from tests.distributed import free_port
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH, MSRUN = REPO / "examples" / "launch.sh", REPO / "examples" / "launch_msrun.sh"
 CONFIG = "examples/grpo_smollm2/config.yaml"
-LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "NPROC", "PLATFORM", "PY",
-               "ROLLOUT_DEVICES", "SOCKET_IFNAME", "NODE_IP", "LOG_DIR", "MS_ROLE", "DEVICES_PER_NODE",
-               "ENGINE_DEVICES", "TRAIN_WORLD_SIZE", "RANK_BASE")
-PLATFORM_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "ASCEND_RT_VISIBLE_DEVICES",
-                 "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "TASK_QUEUE_ENABLE",
-                 "CPU_AFFINITY_CONF")
+LAUNCH_VARS = (
+    "NNODES",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NPROC_PER_NODE",
+    "NPROC",
+    "PLATFORM",
+    "PY",
+    "ROLLOUT_DEVICES",
+    "SOCKET_IFNAME",
+    "NODE_IP",
+    "LOG_DIR",
+    "MS_ROLE",
+    "DEVICES_PER_NODE",
+    "ENGINE_DEVICES",
+    "TRAIN_WORLD_SIZE",
+    "RANK_BASE",
+)
+PLATFORM_VARS = (
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "NCCL_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "HCCL_CONNECT_TIMEOUT",
+    "HCCL_EXEC_TIMEOUT",
+    "HCCL_IF_IP",
+    "HCCL_SOCKET_IFNAME",
+    "TASK_QUEUE_ENABLE",
+    "CPU_AFFINITY_CONF",
+)
 
 
 def _dry_run(script: Path, *args: str, check: bool = True, **env: str):
     """(exported platform variables, command argv) that `script` would run; or the CompletedProcess."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS + PLATFORM_VARS}
-    proc = subprocess.run(["bash", str(script), *args], env={**base, "MEGATRON_RL_DRY_RUN": "1", **env},
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        ["bash", str(script), *args],
+        env={**base, "MEGATRON_RL_DRY_RUN": "1", **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if not check:
         return proc
     assert proc.returncode == 0, proc.stderr
@@ -59,27 +89,65 @@ def _flag(argv: list[str], name: str) -> str:
 
 def test_torchrun_two_nodes_command_and_cuda_environment():
     # node 1 of 2: all 8 GPUs train (the engines run on node 0's GPUs 4-7)
-    exports, argv = _dry_run(LAUNCH, CONFIG, "trainer.steps=3", NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1",
-                             MASTER_PORT="29555", DEVICES_PER_NODE="8", ENGINE_DEVICES="4", PLATFORM="cuda",
-                             SOCKET_IFNAME="eth0", ROLLOUT_DEVICES="cuda:4,5;cuda:6,7", NCCL_DEBUG="INFO")
+    exports, argv = _dry_run(
+        LAUNCH,
+        CONFIG,
+        "trainer.steps=3",
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT="29555",
+        DEVICES_PER_NODE="8",
+        ENGINE_DEVICES="4",
+        PLATFORM="cuda",
+        SOCKET_IFNAME="eth0",
+        ROLLOUT_DEVICES="cuda:4,5;cuda:6,7",
+        NCCL_DEBUG="INFO",
+    )
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     split = argv.index("-m", 3)  # torchrun's own flags, then -m megatron_rl train ...
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(argv[3:split] + ["-m", "megatron_rl"])  # torchrun accepts them
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, args.nproc_per_node) == (
-        "2", 1, "10.0.0.1", 29555, "8")
+        "2",
+        1,
+        "10.0.0.1",
+        29555,
+        "8",
+    )
     assert not args.standalone
-    assert argv[split:split + 4] == ["-m", "megatron_rl", "train", CONFIG]
+    assert argv[split : split + 4] == ["-m", "megatron_rl", "train", CONFIG]
     assert _flag(argv, "--platform") == "cuda"
     assert argv[-3:] == ['rollout.devices=["cuda:4,5","cuda:6,7"]', "rollout.num_engines=2", "trainer.steps=3"]
     # node 1's engine host (serves rollout.engine_nodes' engines of node 1; exits at once if none)
     assert shlex.split(exports.pop("ENGINE_HOST_COMMAND"))[1:] == [
-        "-m", "megatron_rl", "serve", CONFIG, *argv[-3:], "--node-rank", "1"]
-    assert exports == {"PLATFORM": "cuda", "TRAIN_WORLD_SIZE": "12", "RANK_BASE": "4",
-                       "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
-    _, node0 = _dry_run(LAUNCH, CONFIG, NNODES="2", NODE_RANK="0", MASTER_ADDR="10.0.0.1", DEVICES_PER_NODE="8",
-                        ENGINE_DEVICES="4", PLATFORM="cuda")
+        "-m",
+        "megatron_rl",
+        "serve",
+        CONFIG,
+        *argv[-3:],
+        "--node-rank",
+        "1",
+    ]
+    assert exports == {
+        "PLATFORM": "cuda",
+        "TRAIN_WORLD_SIZE": "12",
+        "RANK_BASE": "4",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+    _, node0 = _dry_run(
+        LAUNCH,
+        CONFIG,
+        NNODES="2",
+        NODE_RANK="0",
+        MASTER_ADDR="10.0.0.1",
+        DEVICES_PER_NODE="8",
+        ENGINE_DEVICES="4",
+        PLATFORM="cuda",
+    )
     assert _flag(node0, "--nproc_per_node") == "4"  # node 0 keeps GPUs 4-7 for the engines
 
 
@@ -87,8 +155,16 @@ def test_engine_devices_per_node_give_each_node_its_ranks():
     """ENGINE_DEVICES="2,4": node 0 keeps 2 devices for engines, node 1 keeps 4 (rollout.engine_nodes)."""
     ranks = []
     for node in (0, 1):
-        exports, argv = _dry_run(LAUNCH, CONFIG, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="10.0.0.1",
-                                 DEVICES_PER_NODE="8", ENGINE_DEVICES="2,4", PLATFORM="cpu")
+        exports, argv = _dry_run(
+            LAUNCH,
+            CONFIG,
+            NNODES="2",
+            NODE_RANK=str(node),
+            MASTER_ADDR="10.0.0.1",
+            DEVICES_PER_NODE="8",
+            ENGINE_DEVICES="2,4",
+            PLATFORM="cpu",
+        )
         ranks.append((_flag(argv, "--nproc_per_node"), exports["TRAIN_WORLD_SIZE"], exports["RANK_BASE"]))
         assert ("ENGINE_HOST_COMMAND" in exports) == (node == 1)
     assert ranks == [("6", "10", "0"), ("4", "10", "6")]
@@ -115,16 +191,42 @@ def test_two_nodes_without_master_addr_is_an_error():
 
 
 def test_msrun_two_nodes_command_and_ascend_environment():
-    exports, argv = _dry_run(MSRUN, CONFIG, "trainer.steps=3", NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1",
-                             MASTER_PORT="29600", ENGINE_DEVICES="4", NODE_IP="10.0.0.2", SOCKET_IFNAME="bond0",
-                             LOG_DIR="/tmp/msrun_logs", HCCL_CONNECT_TIMEOUT="3600", ROLLOUT_DEVICES="npu:4,5;npu:6,7")
+    exports, argv = _dry_run(
+        MSRUN,
+        CONFIG,
+        "trainer.steps=3",
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT="29600",
+        ENGINE_DEVICES="4",
+        NODE_IP="10.0.0.2",
+        SOCKET_IFNAME="bond0",
+        LOG_DIR="/tmp/msrun_logs",
+        HCCL_CONNECT_TIMEOUT="3600",
+        ROLLOUT_DEVICES="npu:4,5;npu:6,7",
+    )
     assert argv[0] == "msrun"  # 12 ranks: 4 on node 0 (NPUs 4-7 run the engines) + 8 on node 1
-    assert argv[1:9] == ["--worker_num=12", "--local_worker_num=8", "--master_addr=10.0.0.1", "--master_port=29600",
-                         "--node_rank=1", "--log_dir=/tmp/msrun_logs", "--join=True", "--cluster_time_out=600"]
+    assert argv[1:9] == [
+        "--worker_num=12",
+        "--local_worker_num=8",
+        "--master_addr=10.0.0.1",
+        "--master_port=29600",
+        "--node_rank=1",
+        "--log_dir=/tmp/msrun_logs",
+        "--join=True",
+        "--cluster_time_out=600",
+    ]
     assert (exports["TRAIN_WORLD_SIZE"], exports["RANK_BASE"]) == ("12", "4")  # what the workers need
     assert argv[9] == str(MSRUN)  # each worker re-enters the launcher (see the re-entry test)
-    assert argv[10:] == [CONFIG, "--platform", "npu", 'rollout.devices=["npu:4,5","npu:6,7"]',
-                         "rollout.num_engines=2", "trainer.steps=3"]
+    assert argv[10:] == [
+        CONFIG,
+        "--platform",
+        "npu",
+        'rollout.devices=["npu:4,5","npu:6,7"]',
+        "rollout.num_engines=2",
+        "trainer.steps=3",
+    ]
     assert exports["HCCL_CONNECT_TIMEOUT"] == "3600"  # the user's value wins
     assert exports["HCCL_EXEC_TIMEOUT"] == "1800"
     assert exports["HCCL_IF_IP"] == "10.0.0.2" and exports["HCCL_SOCKET_IFNAME"] == "bond0"
@@ -145,13 +247,36 @@ def _stand_in_python(tmp_path: Path) -> Path:
 def test_msrun_worker_reentry_maps_msrun_variables_to_torch_distributed(tmp_path):
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     # what msrun gives worker 1 of node 1 (RANK_ID assumes equal nodes: 9), plus the launcher's exports
-    worker = {**base, "PY": str(_stand_in_python(tmp_path)), "NPROC_PER_NODE": "8", "TRAIN_WORLD_SIZE": "12",
-              "RANK_BASE": "4", "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "12", "RANK_ID": "9", "RANK": "1",
-              "LOCAL_RANK": "1", "MS_SCHED_HOST": "10.0.0.1", "MS_SCHED_PORT": "29600"}
+    worker = {
+        **base,
+        "PY": str(_stand_in_python(tmp_path)),
+        "NPROC_PER_NODE": "8",
+        "TRAIN_WORLD_SIZE": "12",
+        "RANK_BASE": "4",
+        "MS_ROLE": "MS_WORKER",
+        "MS_WORKER_NUM": "12",
+        "RANK_ID": "9",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "MS_SCHED_HOST": "10.0.0.1",
+        "MS_SCHED_PORT": "29600",
+    }
     subprocess.run(["bash", str(MSRUN), CONFIG, "--platform", "npu", "trainer.steps=3"], env=worker, check=True)
     assert (tmp_path / "ran").read_text().split() == [
-        "12", "5", "1", "8", "10.0.0.1", "29600", "-m", "megatron_rl", "train", CONFIG, "--platform", "npu",
-        "trainer.steps=3"]
+        "12",
+        "5",
+        "1",
+        "8",
+        "10.0.0.1",
+        "29600",
+        "-m",
+        "megatron_rl",
+        "train",
+        CONFIG,
+        "--platform",
+        "npu",
+        "trainer.steps=3",
+    ]
     (tmp_path / "ran").unlink()
     subprocess.run(["bash", str(MSRUN), CONFIG], env={**worker, "MS_ROLE": "MS_SCHED"}, check=True)
     assert not (tmp_path / "ran").exists()  # msrun's scheduler process runs no trainer
@@ -163,13 +288,27 @@ def test_two_nodes_on_localhost_train_through_the_launcher(tmp_path):
     from tests.rl_fixtures import make_tiny_rl_model
 
     model = make_tiny_rl_model(tmp_path / "model")
-    overrides = [f"model.hf_path={model}", "data.chat_template=false", "data.size=32",
-                 "rollout.sampling.max_new_tokens=16", "trainer.steps=2", f"trainer.log_dir={tmp_path / 'run'}"]
+    overrides = [
+        f"model.hf_path={model}",
+        "data.chat_template=false",
+        "data.size=32",
+        "rollout.sampling.max_new_tokens=16",
+        "trainer.steps=2",
+        f"trainer.log_dir={tmp_path / 'run'}",
+    ]
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     base.update(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NPROC_PER_NODE="1", PLATFORM="cpu")
-    nodes = [subprocess.Popen(["bash", str(LAUNCH), CONFIG, *overrides], env={**base, "NODE_RANK": str(rank)},
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (1, 0)]
+    nodes = [
+        subprocess.Popen(
+            ["bash", str(LAUNCH), CONFIG, *overrides],
+            env={**base, "NODE_RANK": str(rank)},
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (1, 0)
+    ]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[1][-3000:]
     history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -7,6 +7,7 @@ megatron's own forward (full ``[T, V]`` logits, ``tests.test_trimodel._separate`
 TP = 1 and TP = 2 (tied and untied heads), and no op may produce a tensor with more than
 ``chunk × V/tp`` logits while scoring.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -50,8 +51,15 @@ def _worker(tp, path):
     policy, spec = load_model_from_hf(path, attention_backend="split")
     vocab = spec.vocab_size
     mbs, weights = _micro_batches(vocab)
-    tri = TriModel(policy=policy, old=None, ref=None, plan=plan_trimodel(LossSettings(), optimizer_steps_per_batch=1),
-                   vocab_size=vocab, with_entropy=True, logprob_chunk_tokens=CHUNK)
+    tri = TriModel(
+        policy=policy,
+        old=None,
+        ref=None,
+        plan=plan_trimodel(LossSettings(), optimizer_steps_per_batch=1),
+        vocab_size=vocab,
+        with_entropy=True,
+        logprob_chunk_tokens=CHUNK,
+    )
     out = tri.run(mbs, loss=lambda lp, i: ((lp.policy * weights[i]).sum(), (lp.policy.detach(), lp.entropy.detach())))
     chunked = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
@@ -65,20 +73,32 @@ def _worker(tp, path):
             with packed_attention(mb.layout):
                 logits = reference(mb.token_ids[None], mb.position_ids[None], attention_mask=None)[0, mb.logit_index]
             entropies.append(vocab_parallel_entropy(logits, vocab_size=vocab))
-    grads = {n: (p.grad.clone(), q.grad.clone())
-             for (n, p), (_, q) in zip(policy.named_parameters(), reference.named_parameters(), strict=True)}
+    grads = {
+        n: (p.grad.clone(), q.grad.clone())
+        for (n, p), (_, q) in zip(policy.named_parameters(), reference.named_parameters(), strict=True)
+    }
 
     hidden = torch.randn(400, spec.hidden_size, requires_grad=True)  # 400 positions > hidden size
     targets = torch.randint(0, vocab, (hidden.shape[0],))
     with LargestOutput() as seen:
-        lp, _ = head_logprobs(policy, hidden, targets, vocab_size=vocab, temperature=1.0, with_entropy=True,
-                              chunk_tokens=CHUNK)
+        lp, _ = head_logprobs(
+            policy, hidden, targets, vocab_size=vocab, temperature=1.0, with_entropy=True, chunk_tokens=CHUNK
+        )
         lp.sum().backward()
-    head = policy.shared_embedding_or_output_weight() if policy.share_embeddings_and_output_weights \
-        else policy.output_layer.weight  # [V/tp, h]: it, its gradient and the hidden states may be larger
-    return dict(chunked=chunked, want=want, entropy=torch.cat(entropies), grads=grads, largest=seen.largest,
-                bound=max(CHUNK * head.shape[0], head.numel(), hidden.numel()),
-                full=hidden.shape[0] * head.shape[0])
+    head = (
+        policy.shared_embedding_or_output_weight()
+        if policy.share_embeddings_and_output_weights
+        else policy.output_layer.weight
+    )  # [V/tp, h]: it, its gradient and the hidden states may be larger
+    return dict(
+        chunked=chunked,
+        want=want,
+        entropy=torch.cat(entropies),
+        grads=grads,
+        largest=seen.largest,
+        bound=max(CHUNK * head.shape[0], head.numel(), hidden.numel()),
+        full=hidden.shape[0] * head.shape[0],
+    )
 
 
 @pytest.mark.parametrize("tp,tied", [(1, True), (2, False)])

@@ -26,9 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            pipeline={"mode": "sync"},
-                            trainer={"steps": 5, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+        pipeline={"mode": "sync"},
+        trainer={"steps": 5, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3},
+    )
     return tmp, str(config)
 
 
@@ -36,7 +40,6 @@ def _cli(config, *overrides):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "megatron_rl", "train", config, *overrides, "--platform", TRAIN_PLATFORM]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +105,14 @@ def _signal_follower(config_path: str, overrides: list[str], metrics: str):
 def test_sigterm_on_one_follower_rank_stops_every_rank_together(setup):
     tmp, config = setup
     out, logs = tmp / "follower_signal", tmp / "follower_signal_logs"
-    steps, _ = run_distributed(_signal_follower, 2, config, ["parallel.tp=2", "trainer.steps=200",
-                                                              f"trainer.save_dir={out}", f"trainer.log_dir={logs}"],
-                               str(logs / "metrics.jsonl"), timeout_s=600)
+    steps, _ = run_distributed(
+        _signal_follower,
+        2,
+        config,
+        ["parallel.tp=2", "trainer.steps=200", f"trainer.save_dir={out}", f"trainer.log_dir={logs}"],
+        str(logs / "metrics.jsonl"),
+        timeout_s=600,
+    )
     assert 2 <= steps < 200, "the run did not stop early"
     assert [p.name for p in out.iterdir()] == [f"step_{steps}"]
     assert (out / f"step_{steps}" / "trainer_state.json").is_file()
@@ -165,9 +173,14 @@ NAN_LOSS = ["algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear"]  # b
 def test_a_non_finite_step_is_skipped_on_every_rank_and_counted(setup):
     tmp, config = setup
     out = tmp / "nan_once"
-    history, _ = run_distributed(_train_with_nans, 2, config, [*NAN_LOSS, "parallel.tp=2", "trainer.steps=3",
-                                                                f"trainer.save_dir={out}", "trainer.save_every=1"],
-                                 [1], timeout_s=600)
+    history, _ = run_distributed(
+        _train_with_nans,
+        2,
+        config,
+        [*NAN_LOSS, "parallel.tp=2", "trainer.steps=3", f"trainer.save_dir={out}", "trainer.save_every=1"],
+        [1],
+        timeout_s=600,
+    )
     assert [h["train/nonfinite_steps"] for h in history] == [0.0, 1.0, 0.0]
     assert [h["train/optimizer_steps"] for h in history] == [1.0, 0.0, 1.0]
     before, after = load_weights(out / "step_1" / "model"), load_weights(out / "step_2" / "model")
@@ -208,8 +221,11 @@ def _train_until_the_engine_breaks(config_path: str, overrides: list[str]):
     from megatron_rl.trainer.loop import train
 
     try:
-        train(load_config(config_path, overrides), platform=TRAIN_PLATFORM,
-              engine_factory=lambda s: _BrokenEngine(build_engine(s), broken_step=2))
+        train(
+            load_config(config_path, overrides),
+            platform=TRAIN_PLATFORM,
+            engine_factory=lambda s: _BrokenEngine(build_engine(s), broken_step=2),
+        )
     except PipelineError as err:
         return f"{type(err.__cause__).__name__}: {err.__cause__}"
     return "no error"

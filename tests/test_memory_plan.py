@@ -71,10 +71,13 @@ def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int,
     initialize_parallel(tp=tp, pp=pp, platform="cpu")
     if megatron.get("recompute_granularity"):
         _cpu_rng_for_checkpoint()
-    settings = TrainerSettings(hf_path=path, model=ModelConfig(hf_path=path, dtype=dtype, megatron=megatron),
-                               trainer=TrainerConfig(steps=1, logprob_chunk_tokens=chunk),
-                               attention=AttentionConfig(backend="split"),
-                               loss=LossSettings(kl_coef=kl))
+    settings = TrainerSettings(
+        hf_path=path,
+        model=ModelConfig(hf_path=path, dtype=dtype, megatron=megatron),
+        trainer=TrainerConfig(steps=1, logprob_chunk_tokens=chunk),
+        attention=AttentionConfig(backend="split"),
+        loss=LossSettings(kl_coef=kl),
+    )
     trainer, policy, _ = build_policy_trainer(settings)
     tri = trainer.trimodel
     copies = [unwrap(tri.policy)] + [m for m in (tri.old, tri.ref) if m is not None]
@@ -82,8 +85,10 @@ def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int,
     param_ptrs = set(_storages(p for m in copies for p in m.parameters()))
     grads = sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in trainer.ddp.buffers)
     g = torch.Generator().manual_seed(0)
-    group = TokenGroup(prompt_ids=torch.randint(0, 300, (PROMPT,), generator=g),
-                       response_ids=tuple(torch.randint(0, 300, (RESPONSE,), generator=g) for _ in range(K)))
+    group = TokenGroup(
+        prompt_ids=torch.randint(0, 300, (PROMPT,), generator=g),
+        response_ids=tuple(torch.randint(0, 300, (RESPONSE,), generator=g) for _ in range(K)),
+    )
     (mb,) = pack_groups([group], token_budget=PROMPT + K * RESPONSE)
     step = lambda: tri.run([mb], loss=lambda lp, _i: (lp.policy.sum(), None), finalize_grads=False)  # noqa: E731
     step()  # warm-up: first-call caches and buffers are not the micro-step's
@@ -107,9 +112,15 @@ def _measure(path: str, dtype: str, kl: float, megatron: dict, tp: int, pp: int,
     state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
     masters = [p for group in inner.param_groups for p in group["params"]]
     opt = {k: v for k, v in _storages(state + masters).items() if k not in param_ptrs}
-    return {"params": sum(p.numel() for p in policy.parameters()), "weights": weights, "grads": grads,
-            "optimizer": sum(opt.values()), "activations": sum(saved.values()), "peak_rise": peak_rise,
-            "stage": parallel_state.get_pipeline_model_parallel_rank()}
+    return {
+        "params": sum(p.numel() for p in policy.parameters()),
+        "weights": weights,
+        "grads": grads,
+        "optimizer": sum(opt.values()),
+        "activations": sum(saved.values()),
+        "peak_rise": peak_rise,
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+    }
 
 
 def _plan(path, dtype: str, kl: float, recompute: str, tp: int, pp: int, chunk: int = 4096):
@@ -117,11 +128,21 @@ def _plan(path, dtype: str, kl: float, recompute: str, tp: int, pp: int, chunk: 
     from megatron_rl.plan.memory import MemorySettings, MicroBatchShape, ModelDims, estimate_memory
 
     dims = ModelDims.from_spec(decoder_spec_from_hf(read_hf_config(path)))
-    shape = MicroBatchShape(tokens=PROMPT + K * RESPONSE, prompt_len=PROMPT, response_len=RESPONSE, responses=K,
-                            parts=1)
-    settings = MemorySettings(tp=tp, pp=pp, dp=1, dtype=dtype, copies=2 if kl else 1, distributed_optimizer=False,
-                              attention_backend="split", recompute=recompute, micro_batch=shape,
-                              logprob_chunk_tokens=chunk)
+    shape = MicroBatchShape(
+        tokens=PROMPT + K * RESPONSE, prompt_len=PROMPT, response_len=RESPONSE, responses=K, parts=1
+    )
+    settings = MemorySettings(
+        tp=tp,
+        pp=pp,
+        dp=1,
+        dtype=dtype,
+        copies=2 if kl else 1,
+        distributed_optimizer=False,
+        attention_backend="split",
+        recompute=recompute,
+        micro_batch=shape,
+        logprob_chunk_tokens=chunk,
+    )
     return estimate_memory(dims, settings)
 
 
@@ -135,9 +156,11 @@ CASES = [  # family, dtype, KL coefficient, recompute, tp, pp
     ("qwen3", "float32", 0.0, "selective", 1, 1),  # core attention rebuilt from q, k, v
 ]
 PEAK_HIGH = {"full": 1.5}  # the plan's full-recompute transient is conservative (module docstring)
-RECOMPUTE_SETTINGS = {"none": {}, "selective": {"recompute_granularity": "selective"},
-                      "full": {"recompute_granularity": "full", "recompute_method": "uniform",
-                               "recompute_num_layers": 1}}
+RECOMPUTE_SETTINGS = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
 
 
 @pytest.mark.parametrize(("family", "dtype", "kl", "recompute", "tp", "pp"), CASES)
@@ -145,10 +168,15 @@ def test_memory_model_within_20_percent_of_measured(family, dtype, kl, recompute
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned rank's glibc at start
     path = make_tiny_hf(tmp_path / family, family, layers=4, tied=family == "llama")
     stages = _plan(path, dtype, kl, recompute, tp, pp)
-    for measured in run_distributed(_measure, tp * pp, str(path), dtype, kl, RECOMPUTE_SETTINGS[recompute], tp, pp,
-                                    fresh=True):  # measures its own process memory
-        _compare(stages[measured["stage"]], measured, f"{family} {dtype} tp{tp} pp{pp} recompute {recompute}",
-                 peak_high=PEAK_HIGH.get(recompute, 1.2))
+    for measured in run_distributed(
+        _measure, tp * pp, str(path), dtype, kl, RECOMPUTE_SETTINGS[recompute], tp, pp, fresh=True
+    ):  # measures its own process memory
+        _compare(
+            stages[measured["stage"]],
+            measured,
+            f"{family} {dtype} tp{tp} pp{pp} recompute {recompute}",
+            peak_high=PEAK_HIGH.get(recompute, 1.2),
+        )
 
 
 def _compare(plan, measured: dict[str, int], case: str, peak_high: float = 1.2) -> None:
@@ -156,8 +184,11 @@ def _compare(plan, measured: dict[str, int], case: str, peak_high: float = 1.2) 
     assert plan.weights == measured["weights"]
     checks = {"grads": plan.grads, "optimizer": plan.optimizer, "activations": plan.activations + plan.logprobs}
     if measured["peak_rise"] is None:
-        warnings.warn(f"{case}: peak memory NOT compared with the plan: /proc/self/clear_refs is missing, so the "
-                      "peak RSS cannot be reset (Linux only)", stacklevel=2)
+        warnings.warn(
+            f"{case}: peak memory NOT compared with the plan: /proc/self/clear_refs is missing, so the "
+            "peak RSS cannot be reset (Linux only)",
+            stacklevel=2,
+        )
     else:
         checks |= {"peak_rise": plan.activations + plan.logprobs + plan.transient, "total": plan.total}
         measured["total"] = sum(measured[k] for k in ("weights", "grads", "optimizer", "peak_rise"))
@@ -173,9 +204,17 @@ def _large_vocab_model(path: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=False, rope_theta=10000.0)
+    config = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
 

@@ -37,8 +37,9 @@ def test_hf_behaviour_logprob_is_the_sampled_from_distribution(temperature, top_
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(32, 40, generator=g, dtype=torch.float64) * 2
     n = logits.shape[0]
-    tokens, lps = sample_next(logits, torch.full((n,), temperature), torch.full((n,), top_p),
-                              torch.rand(n, generator=g))
+    tokens, lps = sample_next(
+        logits, torch.full((n,), temperature), torch.full((n,), top_p), torch.rand(n, generator=g)
+    )
     for row in range(n):
         p = torch.softmax(logits[row] / temperature, dim=-1)
         order = torch.argsort(p, descending=True, stable=True)
@@ -64,11 +65,19 @@ def test_config_defaults_reach_the_loss_settings(tmp_path):
     s = loss_settings(_load(tmp_path))
     assert s.correction == RolloutCorrection(mode="none", c_min=None, c_max=3.0, delta=None)
     assert s.mismatch_alarm == MismatchAlarm(kl_k3=0.05, action="warn")
-    s = loss_settings(_load(tmp_path, [
-        "algorithm.rollout_correction.mode=token_truncate", "algorithm.rollout_correction.c_min=0.5",
-        "algorithm.rollout_correction.c_max=null", "algorithm.rollout_correction.delta=0.1",
-        "algorithm.mismatch_alarm.logprob_abs_diff_mean=0.02", "algorithm.mismatch_alarm.action=stop",
-    ]))
+    s = loss_settings(
+        _load(
+            tmp_path,
+            [
+                "algorithm.rollout_correction.mode=token_truncate",
+                "algorithm.rollout_correction.c_min=0.5",
+                "algorithm.rollout_correction.c_max=null",
+                "algorithm.rollout_correction.delta=0.1",
+                "algorithm.mismatch_alarm.logprob_abs_diff_mean=0.02",
+                "algorithm.mismatch_alarm.action=stop",
+            ],
+        )
+    )
     assert s.correction == RolloutCorrection(mode="token_truncate", c_min=0.5, c_max=None, delta=0.1)
     assert s.mismatch_alarm.logprob_abs_diff_mean == 0.02 and s.mismatch_alarm.action == "stop"
 
@@ -94,27 +103,49 @@ def test_bench_mismatch_runs_and_an_fp32_hf_engine_matches_after_the_sync(tmp_pa
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_mismatch.py"), "--tiny", "--engine", "hf", "--groups", "2",
-         "--group-size", "2", "--max-new-tokens", "6"],
-        cwd=root, capture_output=True, text=True, timeout=600, check=True,
+        [
+            sys.executable,
+            str(root / "tools" / "bench_mismatch.py"),
+            "--tiny",
+            "--engine",
+            "hf",
+            "--groups",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["synced"] and line["weight_version"] == 1 and line["sequences"] == 4
     assert line["mismatch/logprob_abs_diff_mean"] <= 1e-5 and line["mismatch/masked_fraction"] == 0.0
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["algorithm.rollout_correction.c_min=3.0"], "algorithm.rollout_correction.c_min"),
-    (["algorithm.rollout_correction.c_max=0"], "algorithm.rollout_correction.c_max"),
-    (["algorithm.rollout_correction.delta=-1"], "algorithm.rollout_correction.delta"),
-    (["algorithm.rollout_correction.mode=sequence_truncate", "algorithm.rollout_correction.c_max=null"],
-     "algorithm.rollout_correction.mode"),
-    (["algorithm.rollout_correction.mode=token_truncate", "algorithm.loss=ppo_decoupled"],
-     "algorithm.rollout_correction.mode"),
-    (["algorithm.rollout_correction.mode=bogus"], "algorithm.rollout_correction.mode"),
-    (["algorithm.mismatch_alarm.kl_k3=-0.1"], "algorithm.mismatch_alarm.kl_k3"),
-    (["algorithm.mismatch_alarm.action=panic"], "algorithm.mismatch_alarm.action"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["algorithm.rollout_correction.c_min=3.0"], "algorithm.rollout_correction.c_min"),
+        (["algorithm.rollout_correction.c_max=0"], "algorithm.rollout_correction.c_max"),
+        (["algorithm.rollout_correction.delta=-1"], "algorithm.rollout_correction.delta"),
+        (
+            ["algorithm.rollout_correction.mode=sequence_truncate", "algorithm.rollout_correction.c_max=null"],
+            "algorithm.rollout_correction.mode",
+        ),
+        (
+            ["algorithm.rollout_correction.mode=token_truncate", "algorithm.loss=ppo_decoupled"],
+            "algorithm.rollout_correction.mode",
+        ),
+        (["algorithm.rollout_correction.mode=bogus"], "algorithm.rollout_correction.mode"),
+        (["algorithm.mismatch_alarm.kl_k3=-0.1"], "algorithm.mismatch_alarm.kl_k3"),
+        (["algorithm.mismatch_alarm.action=panic"], "algorithm.mismatch_alarm.action"),
+    ],
+)
 def test_config_mistakes_name_their_key(tmp_path, overrides, key):
     with pytest.raises(ConfigError) as info:
         _load(tmp_path, overrides)
@@ -194,7 +225,7 @@ def _nucleus_reference(hf_dir, prompt, response, temperature, top_p):
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].double()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
     out = []
     for pos, token in enumerate(response):
         p = torch.softmax(logits[pos] / temperature, -1)
@@ -219,12 +250,17 @@ def test_engines_report_the_sampled_from_distribution(tmp_path, backend):
     hf_dir = make_tiny_hf(tmp_path / "qwen2", "qwen2", seed=3, layers=2)
     extra = {}
     if backend == "vllm":
-        extra = dict(devices=(f"cpu:{max(os.sched_getaffinity(0))}",), vllm={"max_model_len": 128},
-                     worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"})
+        extra = dict(
+            devices=(f"cpu:{max(os.sched_getaffinity(0))}",),
+            vllm={"max_model_len": 128},
+            worker_env={"VLLM_LOGGING_LEVEL": "WARNING", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
     engine = build_engine(EngineSettings(engine=backend, dtype="float32", model_path=str(hf_dir), **extra))
     try:
-        reqs = [request(f"r{i}", p, temperature=0.8, top_p=0.7, max_new=8, seed=20 + i)
-                for i, p in enumerate(ENGINE_PROMPTS)]
+        reqs = [
+            request(f"r{i}", p, temperature=0.8, top_p=0.7, max_new=8, seed=20 + i)
+            for i, p in enumerate(ENGINE_PROMPTS)
+        ]
         results = run_all(engine, reqs)
     finally:
         engine.shutdown()

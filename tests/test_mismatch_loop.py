@@ -70,34 +70,48 @@ def _train(config_path: str, overrides: list[str], behind: bool, whole_batch_ahe
 def config(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mismatch_loop")
     model = make_tiny_rl_model(tmp / "model")
-    return str(tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                              trainer={"steps": 3, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3}))
+    return str(
+        tiny_rl_config(
+            tmp,
+            model,
+            reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+            trainer={"steps": 3, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3},
+        )
+    )
 
 
 def test_engine_one_version_behind_makes_the_alarm_stop_the_run(config):
-    ((status, message),) = run_distributed(_train, 1, config, [*ALARM, "pipeline.mode=sync"], True,
-                                           timeout_s=900)
+    ((status, message),) = run_distributed(_train, 1, config, [*ALARM, "pipeline.mode=sync"], True, timeout_s=900)
     assert status == "stopped", "the stale engine went unnoticed"
     assert "mismatch/logprob_abs_diff_mean" in message and "before the optimizer step" in message
     assert "weights not synced" in message
 
 
-DECOUPLED_2_STEPS = ["algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear", "trainer.mini_batches=2",
-                     "trainer.prompts_per_batch=4"]
+DECOUPLED_2_STEPS = [
+    "algorithm.loss=ppo_decoupled",
+    "algorithm.proximal=loglinear",
+    "trainer.mini_batches=2",
+    "trainer.prompts_per_batch=4",
+]
 SYNCED = {
     "grpo": [],
     # A-3PO runs no old copy; after the first optimizer step the policy has drifted from θ_t (lr 1e-2),
     # so the engine must be compared with θ_t: the old copy kept for the mask, or the first mini-batch only.
-    "a3po_2_steps_token_mask": [*DECOUPLED_2_STEPS, "algorithm.rollout_correction.mode=token_mask",
-                                "algorithm.rollout_correction.c_min=0.5", "algorithm.rollout_correction.c_max=2.0"],
+    "a3po_2_steps_token_mask": [
+        *DECOUPLED_2_STEPS,
+        "algorithm.rollout_correction.mode=token_mask",
+        "algorithm.rollout_correction.c_min=0.5",
+        "algorithm.rollout_correction.c_max=2.0",
+    ],
     "a3po_2_steps_measure_only": DECOUPLED_2_STEPS,
 }
 
 
 @pytest.mark.parametrize("variant", list(SYNCED))
 def test_synced_engine_logs_round_off_mismatch_and_trains_through(config, variant):
-    ((status, history),) = run_distributed(_train, 1, config, [*ALARM, "pipeline.mode=sync", *SYNCED[variant]],
-                                           False, timeout_s=900)
+    ((status, history),) = run_distributed(
+        _train, 1, config, [*ALARM, "pipeline.mode=sync", *SYNCED[variant]], False, timeout_s=900
+    )
     assert status == "done" and len(history) == 3
     for h in history:
         assert h["mismatch/logprob_abs_diff_mean"] <= 1e-5
@@ -105,8 +119,13 @@ def test_synced_engine_logs_round_off_mismatch_and_trains_through(config, varian
         assert h["mismatch/seq_ratio_max"] == pytest.approx(1.0, abs=1e-3)
 
 
-STALE = ["pipeline.mode=stale", "pipeline.max_staleness=1", "pipeline.queue_size=16", "algorithm.loss=ppo_decoupled",
-         "algorithm.proximal=loglinear"]
+STALE = [
+    "pipeline.mode=stale",
+    "pipeline.max_staleness=1",
+    "pipeline.queue_size=16",
+    "algorithm.loss=ppo_decoupled",
+    "algorithm.proximal=loglinear",
+]
 
 
 def test_stale_mode_engine_one_version_behind_is_caught_by_the_probe_at_the_first_sync(config):
@@ -118,8 +137,9 @@ def test_stale_mode_engine_one_version_behind_is_caught_by_the_probe_at_the_firs
 
 def test_stale_mode_synced_engine_probe_logs_round_off_every_step(config):
     """At PP = 2: rank 0 (first stage) scores on the engines, the last stage compares, rank 0 logs."""
-    (status, history), _ = run_distributed(_train, 2, config, [*ALARM, *STALE, "parallel.pp=2"], False, True,
-                                           timeout_s=900)
+    (status, history), _ = run_distributed(
+        _train, 2, config, [*ALARM, *STALE, "parallel.pp=2"], False, True, timeout_s=900
+    )
     assert status == "done" and len(history) == 3
     for h in history:
         assert h["mismatch_probe/n_tokens"] > 0 and h["probe/sequences"] == 4

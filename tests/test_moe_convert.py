@@ -25,8 +25,9 @@ def test_moe_specs_follow_hf_configs():
     assert q2.qkv_bias and not q2.moe.norm_topk_prob
     assert (q2.moe.shared_expert_ffn_hidden_size, q2.moe.shared_expert_gate) == (96, True)
     assert mx.moe.norm_topk_prob and mx.moe.router_hf_name == "block_sparse_moe.gate.weight"
-    assert decoder_spec_from_hf(dict(tiny_moe_config("qwen3_moe").to_dict(), decoder_sparse_step=2)
-                                ).moe.sparse_layers == (False, False, False, True)  # step 2, and layer 1 dense
+    assert decoder_spec_from_hf(
+        dict(tiny_moe_config("qwen3_moe").to_dict(), decoder_sparse_step=2)
+    ).moe.sparse_layers == (False, False, False, True)  # step 2, and layer 1 dense
 
 
 def test_router_settings_match_hf_semantics():
@@ -42,8 +43,7 @@ def test_router_settings_match_hf_semantics():
 def test_parallel_fit_names_ep_problems():
     with pytest.raises(ValueError, match="ep 3 does not divide num_experts \\(4\\)"):
         check_parallel_fit(_spec("qwen3_moe"), 1, 1, 3)
-    dense = decoder_spec_from_hf(dict(tiny_moe_config("qwen3_moe").to_dict(), model_type="qwen3",
-                                      intermediate_size=64))
+    dense = decoder_spec_from_hf(dict(tiny_moe_config("qwen3_moe").to_dict(), model_type="qwen3", intermediate_size=64))
     with pytest.raises(ValueError, match="ep 2 needs a mixture-of-experts model"):
         check_parallel_fit(dense, 1, 1, 2)
     check_parallel_fit(_spec("mixtral"), 2, 2, 4)
@@ -59,8 +59,10 @@ def _megatron_names(spec, ep: int) -> list[str]:
         for j in range(spec.moe.num_experts // ep):
             names += [f"decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc{k}.weight" for k in (1, 2)]
         if spec.moe.shared_expert_gate:
-            names += [f"decoder.layers.{i}.mlp.shared_experts.{n}" for n in
-                      ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")]
+            names += [
+                f"decoder.layers.{i}.mlp.shared_experts.{n}"
+                for n in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")
+            ]
     return names
 
 
@@ -97,8 +99,11 @@ def test_check_config_refuses_bad_ep_and_moe_settings(tmp_path):
         ("parallel.ep=0",): (moe, "parallel.ep", "must be > 0"),
         ("model.moe.load_balancing=sinkhorn",): (moe, "model.moe.load_balancing", "aux_loss"),
         ("model.moe.aux_loss_coeff=-1",): (moe, "model.moe.aux_loss_coeff", "must be >= 0"),
-        ("model.megatron={moe_aux_loss_coeff: 0.1}",): (moe, "model.megatron.moe_aux_loss_coeff",
-                                                         "model.moe.aux_loss_coeff"),
+        ("model.megatron={moe_aux_loss_coeff: 0.1}",): (
+            moe,
+            "model.megatron.moe_aux_loss_coeff",
+            "model.moe.aux_loss_coeff",
+        ),
     }
     for overrides, (hf, key, text) in cases.items():
         problems = error(tmp_path, MINIMAL, overrides, hf).problems

@@ -30,8 +30,10 @@ def _layouts_worker(paths, input_ids, export_dir):
                 continue
             model, spec = load_model_from_hf(path)
             model.eval()
-            out[name, tp, pp, ep] = (forward_logits(model, input_ids, vocab_size=spec.vocab_size),
-                                     forward_logprobs(model, input_ids, vocab_size=spec.vocab_size, temperature=0.7))
+            out[name, tp, pp, ep] = (
+                forward_logits(model, input_ids, vocab_size=spec.vocab_size),
+                forward_logprobs(model, input_ids, vocab_size=spec.vocab_size, temperature=0.7),
+            )
             if (tp, pp) == (2, 1):
                 save_hf_checkpoint(model, spec, f"{export_dir}/{name}", source_dir=path)
         destroy_parallel(keep_world=True)
@@ -45,8 +47,9 @@ def test_moe_layouts_match_hf_and_export_bit_exact(tmp_path):
 
     paths = {f: make_tiny_moe(tmp_path / f, f, seed=i, layers=2) for i, f in enumerate(MOE_FAMILIES)}
     input_ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
-    results = run_distributed(_layouts_worker, 4, {k: str(v) for k, v in paths.items()}, input_ids,
-                              str(tmp_path / "export"), timeout_s=600)
+    results = run_distributed(
+        _layouts_worker, 4, {k: str(v) for k, v in paths.items()}, input_ids, str(tmp_path / "export"), timeout_s=600
+    )
     for name, path in paths.items():
         ref = hf_logits(path, input_ids)
         ref_lp = torch.log_softmax(ref[:, :-1] / 0.7, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]

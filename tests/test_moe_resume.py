@@ -29,11 +29,14 @@ def _settings(path, ep: int):
     from megatron_rl.config.schema import AttentionConfig, ModelConfig, MoeConfig, ParallelConfig, TrainerConfig
     from megatron_rl.trainer.build import TrainerSettings
 
-    return TrainerSettings(hf_path=str(path), model=ModelConfig(hf_path=str(path), dtype="float32",
-                                                                moe=MoeConfig(aux_loss_coeff=0.01)),
-                           parallel=ParallelConfig(ep=ep), attention=AttentionConfig(backend="split"),
-                           loss=LossSettings(kind="grpo"),
-                           trainer=TrainerConfig(steps=STEPS, lr=1e-3, weight_decay=0.01, grad_clip=100.0))
+    return TrainerSettings(
+        hf_path=str(path),
+        model=ModelConfig(hf_path=str(path), dtype="float32", moe=MoeConfig(aux_loss_coeff=0.01)),
+        parallel=ParallelConfig(ep=ep),
+        attention=AttentionConfig(backend="split"),
+        loss=LossSettings(kind="grpo"),
+        trainer=TrainerConfig(steps=STEPS, lr=1e-3, weight_decay=0.01, grad_clip=100.0),
+    )
 
 
 def _resume_worker(path, out):

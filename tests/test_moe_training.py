@@ -88,13 +88,19 @@ def _settings(path, loss: dict, *, aux: float, z: float, ep: int = 1, replay: bo
     from megatron_rl.trainer.build import TrainerSettings
 
     moe = MoeConfig(aux_loss_coeff=aux, z_loss_coeff=z)
-    return TrainerSettings(hf_path=str(path), model=ModelConfig(hf_path=str(path), dtype="float32", moe=moe),
-                           parallel=ParallelConfig(ep=ep), attention=AttentionConfig(backend="split"),
-                           loss=LossSettings(**loss), routing_replay=replay,
-                           trainer=TrainerConfig(steps=1, lr=1e-2, mini_batches=mini_batches, grad_clip=100.0))
+    return TrainerSettings(
+        hf_path=str(path),
+        model=ModelConfig(hf_path=str(path), dtype="float32", moe=moe),
+        parallel=ParallelConfig(ep=ep),
+        attention=AttentionConfig(backend="split"),
+        loss=LossSettings(**loss),
+        routing_replay=replay,
+        trainer=TrainerConfig(steps=1, lr=1e-2, mini_batches=mini_batches, grad_clip=100.0),
+    )
 
 
 # ---- router-loss weight ----------------------------------------------------------------------
+
 
 def _chunks(groups, budget: int, dp: int, rank: int):
     from megatron_rl.pipeline.records import chunk_by_tokens
@@ -162,18 +168,25 @@ def _reference_router_gradient(path, all_chunks) -> dict[str, torch.Tensor]:
 
 
 def _aux_case(path, mine, every, stage: int = 0, reference: bool = True) -> dict:
-    return dict(subject=_step_gradient(path, AUX, mine, stage), policy=_step_gradient(path, 0.0, mine, stage),
-                router=_reference_router_gradient(path, every) if reference else None, micro_batches=len(every))
+    return dict(
+        subject=_step_gradient(path, AUX, mine, stage),
+        policy=_step_gradient(path, 0.0, mine, stage),
+        router=_reference_router_gradient(path, every) if reference else None,
+        micro_batches=len(every),
+    )
 
 
 def _worst_relative_error(subject, policy, router) -> float:
     """max over tensors of |subject - (policy + router)| / max |router-loss gradient|."""
     scale = max(g.abs().max().item() for g in router.values())
-    return max((got - policy[n] - router.get(n, torch.zeros_like(got))).abs().max().item() / scale
-               for n, got in subject.items())
+    return max(
+        (got - policy[n] - router.get(n, torch.zeros_like(got))).abs().max().item() / scale
+        for n, got in subject.items()
+    )
 
 
 # ---- every loss ------------------------------------------------------------------------------
+
 
 def _loss_run(path, groups, loss: dict, replay: bool, rank: int) -> dict:
     """Two optimizer steps (mini-batch m trains group 2m + rank); losses and which MoE weights moved."""
@@ -206,6 +219,7 @@ def _written_out_loss(mode: str, groups_and_logps, clip: float = 0.2) -> float:
 
 # ---- the world -------------------------------------------------------------------------------
 
+
 def _world_worker(path, groups):
     from megatron_rl.parallel.state import destroy_parallel, initialize_parallel
 
@@ -217,8 +231,11 @@ def _world_worker(path, groups):
         out["aux"]["reference", budget] = _reference_router_gradient(path, _chunks(groups, budget, 1, 0))
     destroy_parallel(keep_world=True)
     _, layout = initialize_parallel(tp=1, pp=1, ep=2, platform=TRAIN_PLATFORM)
-    out["losses"] = {(name, replay): _loss_run(path, groups, loss, replay, layout.dp_rank)
-                     for name, loss in CASES.items() for replay in (False, True)}
+    out["losses"] = {
+        (name, replay): _loss_run(path, groups, loss, replay, layout.dp_rank)
+        for name, loss in CASES.items()
+        for replay in (False, True)
+    }
     destroy_parallel(keep_world=True)
     _, layout = initialize_parallel(tp=1, pp=2, platform=TRAIN_PLATFORM)
     for budget in BUDGETS:
@@ -251,7 +268,8 @@ def test_router_losses_weigh_in_as_the_denominator_weighted_mean(world):
             routers = [n for n, g in case["router"].items() if n.endswith("router.weight") and g.abs().max() > 0]
             assert len(routers) == 3 and len(case["subject"]) == len(case["policy"])
             errors[f"dp {dp}, {case['micro_batches']} micro-batches"] = _worst_relative_error(
-                case["subject"], case["policy"], case["router"])
+                case["subject"], case["policy"], case["router"]
+            )
     print(f"worst |subject - reference| / max |router-loss gradient|: {errors}")
     assert all(err < 1e-4 for err in errors.values()), errors
 

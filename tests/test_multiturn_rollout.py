@@ -57,17 +57,25 @@ def setup(tmp_path_factory):
 
 
 def rollout(tokenizer, engine, factory, runner):
-    settings = MultiTurnSettings(max_turns=3, max_total_tokens=BUDGET,
-                                 encode_prompt=partial(prompt_ids, tokenizer),
-                                 encode_observation=partial(observation_ids, tokenizer),
-                                 decode=partial(char_text, tokenizer))
+    settings = MultiTurnSettings(
+        max_turns=3,
+        max_total_tokens=BUDGET,
+        encode_prompt=partial(prompt_ids, tokenizer),
+        encode_observation=partial(observation_ids, tokenizer),
+        decode=partial(char_text, tokenizer),
+    )
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(tokenizer.eos_token_id,))
-    starts = [GroupStart(base=f"0/p{p}", fields={"messages": [{"role": "user", "content": q}]},
-                         seed=lambda k, t, p=p: 1000 * p + 10 * k + t) for p, q in enumerate(QUESTIONS)]
+    starts = [
+        GroupStart(
+            base=f"0/p{p}",
+            fields={"messages": [{"role": "user", "content": q}]},
+            seed=lambda k, t, p=p: 1000 * p + 10 * k + t,
+        )
+        for p, q in enumerate(QUESTIONS)
+    ]
     versions = []
     multi = MultiTurnRollout(settings=settings, env_factory=factory, runner=runner, sampling=sampling)
-    out = list(multi.run(engine, starts, G, stop=threading.Event(),
-                         check_version=lambda rid, v: versions.append(v)))
+    out = list(multi.run(engine, starts, G, stop=threading.Event(), check_version=lambda rid, v: versions.append(v)))
     return out, versions
 
 
@@ -101,13 +109,15 @@ def test_token_in_token_out_mask_logprobs_and_budget(setup):
         for turn in turns:
             assert turn.prompt_ids == tuple(ids)  # each turn's prompt: everything so far, as ids
             start = len(ids) - len(t.prompt_ids)
-            assert t.response_ids[start:start + len(turn.response_ids)] == turn.response_ids
-            assert t.behav_logprobs[start:start + len(turn.response_ids)] == turn.logprobs
+            assert t.response_ids[start : start + len(turn.response_ids)] == turn.response_ids
+            assert t.behav_logprobs[start : start + len(turn.response_ids)] == turn.logprobs
             ids += turn.response_ids
             mask += [1] * len(turn.response_ids)
-            obs_end = next((i for i in range(len(ids) - len(t.prompt_ids), len(t.response_ids))
-                            if t.loss_mask[i]), len(t.response_ids))
-            ids += t.response_ids[len(ids) - len(t.prompt_ids):obs_end]
+            obs_end = next(
+                (i for i in range(len(ids) - len(t.prompt_ids), len(t.response_ids)) if t.loss_mask[i]),
+                len(t.response_ids),
+            )
+            ids += t.response_ids[len(ids) - len(t.prompt_ids) : obs_end]
             mask += [0] * (len(ids) - len(t.prompt_ids) - len(mask))
         assert tuple(ids) == t.prompt_ids + t.response_ids and tuple(mask) == t.loss_mask
         assert len(ids) <= BUDGET and t.loss_mask[-1] == 1  # within budget, ends on a model token
@@ -119,7 +129,7 @@ def test_token_in_token_out_mask_logprobs_and_budget(setup):
             messages = conversation(QUESTIONS[int(t.request_id.split("/")[1][1:])], texts)
             rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
             expect = tuple(rendered["input_ids"])
-            assert t.prompt_ids + t.response_ids == expect[:len(t.prompt_ids) + len(t.response_ids)]
+            assert t.prompt_ids + t.response_ids == expect[: len(t.prompt_ids) + len(t.response_ids)]
             full_checked += 1
         pairs.append((t.prompt_ids, t.response_ids))
         behav.append((t.loss_mask, t.behav_logprobs))
@@ -180,20 +190,35 @@ def reset_failure_pipeline(tokenizer, engine, runner):
     from megatron_rl.data.records import PromptRecord, TokenizedPrompt
     from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
 
-    items = [TokenizedPrompt(record=PromptRecord(prompt_id=f"p{p}", answer="", text=q), token_ids=(1,))
-             for p, q in enumerate(QUESTIONS)]
+    items = [
+        TokenizedPrompt(record=PromptRecord(prompt_id=f"p{p}", answer="", text=q), token_ids=(1,))
+        for p, q in enumerate(QUESTIONS)
+    ]
     prompts = type("Prompts", (), {"next_batch": lambda self: items})()
-    settings = MultiTurnSettings(max_turns=3, max_total_tokens=BUDGET, encode_prompt=partial(prompt_ids, tokenizer),
-                                 encode_observation=partial(observation_ids, tokenizer),
-                                 decode=partial(char_text, tokenizer))
+    settings = MultiTurnSettings(
+        max_turns=3,
+        max_total_tokens=BUDGET,
+        encode_prompt=partial(prompt_ids, tokenizer),
+        encode_observation=partial(observation_ids, tokenizer),
+        decode=partial(char_text, tokenizer),
+    )
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(tokenizer.eos_token_id,))
-    multi = MultiTurnRollout(settings=settings, env_factory=partial(ResetFails, turns=2), runner=runner,
-                             sampling=sampling)
+    multi = MultiTurnRollout(
+        settings=settings, env_factory=partial(ResetFails, turns=2), runner=runner, sampling=sampling
+    )
     held = HeldEngine(engine)
-    return held, Pipeline(engine=held, prompts=prompts, reward_fn=lambda record, text: float(len(text)),
-                    detokenize=partial(char_text, tokenizer), controller=FixedController(G), sampling=sampling,
-                    scoring=GroupScoring(), num_steps=1, multiturn=multi,
-                    settings=PipelineSettings(mode="sync", micro_batch_tokens=4096, poll_s=0.01, join_timeout_s=30.0))
+    return held, Pipeline(
+        engine=held,
+        prompts=prompts,
+        reward_fn=lambda record, text: float(len(text)),
+        detokenize=partial(char_text, tokenizer),
+        controller=FixedController(G),
+        sampling=sampling,
+        scoring=GroupScoring(),
+        num_steps=1,
+        multiturn=multi,
+        settings=PipelineSettings(mode="sync", micro_batch_tokens=4096, poll_s=0.01, join_timeout_s=30.0),
+    )
 
 
 def test_a_failed_reset_drops_its_group_and_past_the_limit_stops_the_run(setup):
@@ -211,12 +236,16 @@ def test_a_failed_reset_drops_its_group_and_past_the_limit_stops_the_run(setup):
         assert runner.stats().failures["raised"] == G and runner.stats().resets == 2 * G
     samples = [s for mb in trained for g in mb.groups for s in g.samples]
     assert sorted(s.request_id for s in samples) == [f"0/p0/{k}" for k in range(G)]  # p1 trained nothing
-    assert [(g.prompt_id, len(g.samples), g.kept) for g in sorted(batch.groups, key=lambda g: g.prompt_index)] == \
-        [("p0", G, True), ("p1", 0, False)]
+    assert [(g.prompt_id, len(g.samples), g.kept) for g in sorted(batch.groups, key=lambda g: g.prompt_index)] == [
+        ("p0", G, True),
+        ("p1", 0, False),
+    ]
     assert summary.extra_metrics["multiturn/reset_failures"] == 1 and summary.trained_groups == 1
     assert summary.reward_mean == pytest.approx(sum(s.reward for s in samples) / G)
     assert len(summary.end.response_lengths) == G
-    with EnvironmentRunner(timeout_s=30.0, max_failures=G - 1) as runner, \
-            pytest.raises(PipelineError, match=r"EnvironmentFailureLimit: .*environment\.max_failures \(2\)"):
+    with (
+        EnvironmentRunner(timeout_s=30.0, max_failures=G - 1) as runner,
+        pytest.raises(PipelineError, match=r"EnvironmentFailureLimit: .*environment\.max_failures \(2\)"),
+    ):
         with reset_failure_pipeline(tokenizer, engine, runner)[1] as pipe:
             pipe.begin_step().finish()

@@ -17,13 +17,16 @@ from tests.distributed import run_distributed
 from tests.hf_models import make_tiny_hf
 
 
-@pytest.mark.parametrize(("name", "want"), [
-    ("torch.npu.FloatTensor", "torch.cuda.FloatTensor"),
-    ("torch.npu.BFloat16Tensor", "torch.cuda.BFloat16Tensor"),
-    ("torch.emulated.HalfTensor", "torch.cuda.HalfTensor"),
-    ("torch.FloatTensor", "torch.cuda.FloatTensor"),
-    ("torch.cuda.FloatTensor", "torch.cuda.FloatTensor"),
-])
+@pytest.mark.parametrize(
+    ("name", "want"),
+    [
+        ("torch.npu.FloatTensor", "torch.cuda.FloatTensor"),
+        ("torch.npu.BFloat16Tensor", "torch.cuda.BFloat16Tensor"),
+        ("torch.emulated.HalfTensor", "torch.cuda.HalfTensor"),
+        ("torch.FloatTensor", "torch.cuda.FloatTensor"),
+        ("torch.cuda.FloatTensor", "torch.cuda.FloatTensor"),
+    ],
+)
 def test_cuda_type_names(name, want):
     from megatron_rl.platform.patches.megatron_tensor_types import cuda_type_name
 
@@ -51,8 +54,12 @@ def _bf16_step(path, planted: bool) -> dict:
     for chunk in chunk_by_tokens(make_groups(spec.vocab_size), 24):
         trainer.train_micro_batch(make_micro_batch(chunk, policy_version=0))
     result = trainer.finish_mini_batch()
-    return {"type": probe.type(), "bf16": probe.bfloat16().type(), "skipped": result.skipped,
-            "devices": sorted({str(p.device) for p in policy.parameters()})}
+    return {
+        "type": probe.type(),
+        "bf16": probe.bfloat16().type(),
+        "skipped": result.skipped,
+        "devices": sorted({str(p.device) for p in policy.parameters()}),
+    }
 
 
 @pytest.mark.multiproc

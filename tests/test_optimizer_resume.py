@@ -82,10 +82,14 @@ def _settings(path, dtype: str, distributed: bool):
     from megatron_rl.config.schema import AttentionConfig, ModelConfig, ParallelConfig, TrainerConfig
     from megatron_rl.trainer.build import TrainerSettings
 
-    return TrainerSettings(hf_path=str(path), model=ModelConfig(hf_path=str(path), dtype=dtype),
-                           parallel=ParallelConfig(distributed_optimizer=distributed),
-                           attention=AttentionConfig(backend="split"), loss=LossSettings(kind="grpo"),
-                           trainer=TrainerConfig(steps=STEPS, lr=1e-3, weight_decay=0.01, grad_clip=100.0))
+    return TrainerSettings(
+        hf_path=str(path),
+        model=ModelConfig(hf_path=str(path), dtype=dtype),
+        parallel=ParallelConfig(distributed_optimizer=distributed),
+        attention=AttentionConfig(backend="split"),
+        loss=LossSettings(kind="grpo"),
+        trainer=TrainerConfig(steps=STEPS, lr=1e-3, weight_decay=0.01, grad_clip=100.0),
+    )
 
 
 def _train(trainer, vocab: int, steps: int) -> None:
@@ -146,12 +150,15 @@ def _assert_resumed_equals_straight(out, want_master: bool) -> None:
     assert straight.keys() == resumed.keys()
     assert any(k.startswith("optimizer:param/") for k in straight) == want_master
     moved = max((straight[k] - start[k]).abs().max().item() for k in straight if k.startswith("model:"))
-    diffs = {k: (straight[k] - resumed[k]).abs().max().item() / max(straight[k].abs().max().item(), 1e-30)
-             for k in straight}
+    diffs = {
+        k: (straight[k] - resumed[k]).abs().max().item() / max(straight[k].abs().max().item(), 1e-30) for k in straight
+    }
     worst = max(diffs, key=diffs.get)
     weights = max((v, k) for k, v in diffs.items() if k.startswith("model:"))
-    print(f"max relative diff resumed vs straight: {diffs[worst]:.3e} ({worst}); weights {weights[0]:.3e} "
-          f"({weights[1]}); steps 3-4 moved weights {moved:.2e}")
+    print(
+        f"max relative diff resumed vs straight: {diffs[worst]:.3e} ({worst}); weights {weights[0]:.3e} "
+        f"({weights[1]}); steps 3-4 moved weights {moved:.2e}"
+    )
     assert moved > 1e-4, "training did not move the weights"
     assert diffs[worst] <= TOL, f"{worst}: resumed run differs from the straight run by {diffs[worst]:.3e} (relative)"
     for sub in ("straight", "saved"):
@@ -203,8 +210,19 @@ def _record_default_group_use() -> list[str]:
     used: list[str] = []
     real_backend = dist.get_backend
     dist.get_backend = lambda group=None: "nccl" if group in (None, dist.group.WORLD) else real_backend(group)
-    for op in ("all_reduce", "reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
-               "barrier", "send", "recv", "gather", "gather_object"):
+    for op in (
+        "all_reduce",
+        "reduce",
+        "all_gather",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "send",
+        "recv",
+        "gather",
+        "gather_object",
+    ):
         setattr(dist, op, _recording(getattr(dist, op), op, used))
     return used
 
@@ -216,6 +234,7 @@ def _recording(real, op: str, used: list[str]):
         if kwargs.get("group") in (None, dist.group.WORLD):
             used.append(op)
         return real(*args, **kwargs)
+
     return wrapped
 
 
@@ -233,8 +252,11 @@ def _groups_worker(path, out, tp, distributed):
     return used
 
 
-@pytest.mark.parametrize(("world", "tp", "distributed"), [(1, 1, True), (2, 2, False), (2, 1, True)],
-                         ids=["world1_distributed_optimizer", "tp2", "dp2_distributed_optimizer"])
+@pytest.mark.parametrize(
+    ("world", "tp", "distributed"),
+    [(1, 1, True), (2, 2, False), (2, 1, True)],
+    ids=["world1_distributed_optimizer", "tp2", "dp2_distributed_optimizer"],
+)
 def test_saving_sends_nothing_through_the_default_group(tmp_path, world, tp, distributed):
     """Weights and optimizer state move on megatron's TP / DP groups, host bookkeeping (step,
     names, barriers) on a gloo group of its own: the default group (NCCL / HCCL on devices)

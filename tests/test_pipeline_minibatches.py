@@ -40,8 +40,9 @@ def test_stale_sagc_credits_every_observation_to_the_g_that_produced_it(k):
     settings = SAGCSettings(candidates=(2, 3, 4), initial=3, tau=1.5, delta=0.3, eta=1.0, seed=1)
     controller, engine = RecordingSAGC(settings), FakeEngine(delay_s=0.0002)
     prompts = FakePrompts(PROMPTS[:6], per_batch=6)
-    trainer, summaries = run(engine, steps=10, mode="stale", max_staleness=k, controller=controller,
-                             prompts=prompts, lead=k)
+    trainer, summaries = run(
+        engine, steps=10, mode="stale", max_staleness=k, controller=controller, prompts=prompts, lead=k
+    )
     kinds = [kind for kind, _ in controller.calls]
     assert kinds == ["choose", "observe"] * 10  # strictly alternating: batch t observed before t+1 is chosen
     length = {r.request_id: len(r.response_ids) for r in engine.results}
@@ -90,7 +91,7 @@ def test_periodic_keeps_later_mini_batches_until_their_step():
     trainer, summaries = run(engine, mode="periodic", mini_batches=2, flush_when_idle=True)
     for step in range(3):
         order = [r.request_id.split("/")[1] for r in engine.results if r.request_id.startswith(f"{step}/")]
-        finished = [p for i, p in enumerate(order) if order[i + 1:].count(p) == 0]  # last sample of each group
+        finished = [p for i, p in enumerate(order) if order[i + 1 :].count(p) == 0]  # last sample of each group
         trained = [g.prompt_id for mb in trainer.micro_batches if mb.step == step for g in mb.groups]
         first_half = {f"p{(6 * step + p) % 12}" for p in range(3)}
         assert trained[:3] and set(trained[:3]) == first_half

@@ -116,8 +116,9 @@ def test_stale_mode_runs_ahead_within_the_bound(k):
         assert (st.num_samples, st.min, st.max) == (len(d), min(d), max(d))
         assert st.mean == pytest.approx(sum(d) / len(d))
     for mb in trainer.micro_batches:
-        assert torch.equal(mb.staleness, mb.step - torch.tensor([s.weight_version for g in mb.groups
-                                                                   for s in g.samples]))
+        assert torch.equal(
+            mb.staleness, mb.step - torch.tensor([s.weight_version for g in mb.groups for s in g.samples])
+        )
 
 
 def test_dynamic_sampling_drops_equal_groups_before_the_trainer():

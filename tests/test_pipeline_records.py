@@ -83,23 +83,41 @@ def test_request_ids_and_seeds_are_unique_and_stable():
 
 
 def sample(k, response, reward, version=0, prompt=(1, 2, 3)):
-    return Sample(prompt_id="p", request_id=f"0/p/{k}", index=k, prompt_ids=prompt, response_ids=response,
-                  behav_logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))), weight_version=version,
-                  finish_reason="stop", reward=reward)
+    return Sample(
+        prompt_id="p",
+        request_id=f"0/p/{k}",
+        index=k,
+        prompt_ids=prompt,
+        response_ids=response,
+        behav_logprobs=tuple(-0.1 * (i + 1) for i in range(len(response))),
+        weight_version=version,
+        finish_reason="stop",
+        reward=reward,
+    )
 
 
 def test_sample_validates_engine_output():
     with pytest.raises(ValueError, match="empty response"):
         sample(0, (), 1.0)
     with pytest.raises(ValueError, match="2 log-probs for 3"):
-        Sample(prompt_id="p", request_id="r", index=0, prompt_ids=(1,), response_ids=(1, 2, 3),
-               behav_logprobs=(0.0, 0.0), weight_version=0, finish_reason="stop", reward=0.0)
+        Sample(
+            prompt_id="p",
+            request_id="r",
+            index=0,
+            prompt_ids=(1,),
+            response_ids=(1, 2, 3),
+            behav_logprobs=(0.0, 0.0),
+            weight_version=0,
+            finish_reason="stop",
+            reward=0.0,
+        )
 
 
 def test_score_group_with_overlong_shaping_and_dynamic_sampling():
     samples = [sample(0, (5,) * 2, 1.0), sample(1, (5,) * 7, 1.0), sample(2, (5,) * 9, 0.0)]
-    scoring = GroupScoring(advantage_scale="none", dynamic_sampling=True,
-                           overlong=OverlongShaping(max_len=8, buffer=4, penalty=0.5))
+    scoring = GroupScoring(
+        advantage_scale="none", dynamic_sampling=True, overlong=OverlongShaping(max_len=8, buffer=4, penalty=0.5)
+    )
     group = score_group(step=0, prompt_index=2, samples=samples, scoring=scoring)
     # DAPO eq. 13 by hand: |y| <= 4 -> 0; 7 -> (4 - 7) / 4 = -0.75; 9 > 8 -> -1; times 0.5
     shaped = [1.0, 1.0 - 0.375, 0.0 - 0.5]
@@ -113,10 +131,15 @@ def test_score_group_with_overlong_shaping_and_dynamic_sampling():
 
 
 def test_make_micro_batch_lines_up_with_the_packing():
-    g1 = score_group(step=4, prompt_index=0, samples=[sample(0, (7, 8), 1.0, 3), sample(1, (9,), 0.0, 4)],
-                     scoring=GroupScoring())
-    g2 = score_group(step=4, prompt_index=1, samples=[sample(0, (6, 6, 6), 0.0, 4, prompt=(2,)),
-                                                      sample(1, (5,), 1.0, 2, prompt=(2,))], scoring=GroupScoring())
+    g1 = score_group(
+        step=4, prompt_index=0, samples=[sample(0, (7, 8), 1.0, 3), sample(1, (9,), 0.0, 4)], scoring=GroupScoring()
+    )
+    g2 = score_group(
+        step=4,
+        prompt_index=1,
+        samples=[sample(0, (6, 6, 6), 0.0, 4, prompt=(2,)), sample(1, (5,), 1.0, 2, prompt=(2,))],
+        scoring=GroupScoring(),
+    )
     mb = make_micro_batch([g1, g2], policy_version=4)
     assert mb.packed.token_ids.tolist() == [1, 2, 3, 7, 8, 9, 2, 6, 6, 6, 5]
     assert mb.packed.target_ids.tolist() == [7, 8, 9, 6, 6, 6, 5]
@@ -126,8 +149,9 @@ def test_make_micro_batch_lines_up_with_the_packing():
     torch.testing.assert_close(mb.behav_logprobs, torch.tensor([-0.1, -0.2, -0.1, -0.1, -0.2, -0.3, -0.1]))
     assert mb.versions.tolist() == [3, 4, 4, 2] and mb.token_versions.tolist() == [3, 3, 4, 4, 4, 4, 2]
     assert mb.staleness.tolist() == [1, 0, 0, 2]
-    flat = score_group(step=4, prompt_index=2, samples=[sample(0, (1,), 1.0)] * 2,
-                       scoring=GroupScoring(dynamic_sampling=True))
+    flat = score_group(
+        step=4, prompt_index=2, samples=[sample(0, (1,), 1.0)] * 2, scoring=GroupScoring(dynamic_sampling=True)
+    )
     with pytest.raises(ValueError, match="dropped by dynamic sampling"):
         make_micro_batch([g1, flat], policy_version=4)
 
@@ -135,10 +159,15 @@ def test_make_micro_batch_lines_up_with_the_packing():
 def test_unshare_prompts_packs_each_response_after_its_own_prompt_copy():
     from megatron_rl.pipeline.records import unshare_prompts
 
-    g1 = score_group(step=4, prompt_index=0, samples=[sample(0, (7, 8), 1.0, 3), sample(1, (9,), 0.0, 4)],
-                     scoring=GroupScoring())
-    g2 = score_group(step=4, prompt_index=1, samples=[sample(0, (6, 6, 6), 0.0, 4, prompt=(2,)),
-                                                      sample(1, (5,), 1.0, 2, prompt=(2,))], scoring=GroupScoring())
+    g1 = score_group(
+        step=4, prompt_index=0, samples=[sample(0, (7, 8), 1.0, 3), sample(1, (9,), 0.0, 4)], scoring=GroupScoring()
+    )
+    g2 = score_group(
+        step=4,
+        prompt_index=1,
+        samples=[sample(0, (6, 6, 6), 0.0, 4, prompt=(2,)), sample(1, (5,), 1.0, 2, prompt=(2,))],
+        scoring=GroupScoring(),
+    )
     mb = make_micro_batch([g1, g2], policy_version=4)
     k = unshare_prompts(mb)
     assert k.packed.token_ids.tolist() == [1, 2, 3, 7, 8, 1, 2, 3, 9, 2, 6, 6, 6, 2, 5]  # written out by hand

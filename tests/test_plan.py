@@ -27,15 +27,17 @@ def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-@pytest.mark.parametrize(("path", "device", "published"),
-                         [(QWEN25, "910b", 7_615_616_512), (QWEN3, "h200", 8_190_735_360)])
+@pytest.mark.parametrize(
+    ("path", "device", "published"), [(QWEN25, "910b", 7_615_616_512), (QWEN3, "h200", 8_190_735_360)]
+)
 def test_parameter_count_equals_the_published_one(path, device, published):
     cfg = load_config(path, ["parallel.tp=1"])
     plan = build_plan(cfg, nodes=2, devices_per_node=8, device=device)
     assert plan.stages[0].params == published
     # PP = 4 splits the layers; the embedding and the output layer sit on the first / last stage
-    split = build_plan(load_config(path, ["parallel.tp=1", "parallel.pp=4"]), nodes=2, devices_per_node=8,
-                       device=device)
+    split = build_plan(
+        load_config(path, ["parallel.tp=1", "parallel.pp=4"]), nodes=2, devices_per_node=8, device=device
+    )
     assert sum(s.params for s in split.stages) == published
     assert split.stages[0].params > split.stages[1].params == split.stages[2].params < split.stages[3].params
 
@@ -48,8 +50,9 @@ def test_ranks_follow_megatron_order_tp_fastest_then_dp_then_pp():
         assert r.rank == r.tp + 2 * r.dp + 6 * r.pp
         assert (r.node, r.local_rank) == ((0, r.rank) if r.rank < 4 else (1, r.rank - 4))
     assert layout.warnings() == []
-    spans = plan_layout(load_config(QWEN25, ['rollout.devices=["npu:4,5"]', "rollout.num_engines=1"]), nodes=3,
-                        devices_per_node=6)  # 4 + 6 + 6 ranks at tp 4: ranks 8-11 sit on nodes 1 and 2
+    spans = plan_layout(
+        load_config(QWEN25, ['rollout.devices=["npu:4,5"]', "rollout.num_engines=1"]), nodes=3, devices_per_node=6
+    )  # 4 + 6 + 6 ranks at tp 4: ranks 8-11 sit on nodes 1 and 2
     assert spans.ranks_per_node == (4, 6, 6)
     assert [w.split(":")[0] for w in spans.warnings()] == ["tp group of ranks 8-11 spans nodes [1, 2]"]
 
@@ -64,11 +67,14 @@ def test_distributed_optimizer_divides_the_optimizer_state_by_dp():
     assert sharded.grads == sharded.params * 4 and sharded.weights == sharded.params * 2 * 2  # policy + ref
 
 
-@pytest.mark.parametrize(("overrides", "key"), [
-    (['rollout.devices=["npu:2,3","npu:6,7"]'], "rollout.devices"),  # 2,3 are training devices (ids 0-3)
-    (["parallel.dp=4"], "parallel.dp"),  # 12 ranks / tp 4 = dp 3
-    (["parallel.pp=2"], "parallel.tp"),  # tp 4 × pp 2 = 8 does not divide 12 ranks
-])
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (['rollout.devices=["npu:2,3","npu:6,7"]'], "rollout.devices"),  # 2,3 are training devices (ids 0-3)
+        (["parallel.dp=4"], "parallel.dp"),  # 12 ranks / tp 4 = dp 3
+        (["parallel.pp=2"], "parallel.tp"),  # tp 4 × pp 2 = 8 does not divide 12 ranks
+    ],
+)
 def test_impossible_layouts_name_the_key(overrides, key, capsys):
     cfg = load_config(QWEN25, overrides)
     with pytest.raises(LayoutError, match=key.replace(".", r"\.")):
@@ -99,8 +105,12 @@ def test_cpu_ranks_of_a_node_share_its_ram():
     cfg = load_config(QWEN25, ["attention.backend=auto"])  # split attention on the CPU
 
     def plan_with(ram: int):
-        return build_plan(cfg, nodes=1, devices_per_node=8, device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=ram,
-                                                                               peak_tflops=None, usable_fraction=1.0))
+        return build_plan(
+            cfg,
+            nodes=1,
+            devices_per_node=8,
+            device=DeviceSpec(name="cpu", kind="cpu", memory_bytes=ram, peak_tflops=None, usable_fraction=1.0),
+        )
 
     per_rank = plan_with(1).worst.total  # 4 training ranks on the node (4 "devices" go to the engines)
     assert plan_with(4 * per_rank).fits and not plan_with(4 * per_rank - 1).fits

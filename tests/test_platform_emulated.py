@@ -39,17 +39,23 @@ def test_views_share_device_storage():
     assert x.shape == (20,) and x[:4].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-@pytest.mark.parametrize("op", [
-    lambda d, h: d + h,
-    lambda d, h: torch.mm(d.view(2, 2), h.view(2, 2)),
-    lambda d, h: torch.cat([d, h]),
-    lambda d, h: d.index_select(0, h.long()),
-    lambda d, h: d.copy_(h) + h,
-])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda d, h: d + h,
+        lambda d, h: torch.mm(d.view(2, 2), h.view(2, 2)),
+        lambda d, h: torch.cat([d, h]),
+        lambda d, h: d.index_select(0, h.long()),
+        lambda d, h: d.copy_(h) + h,
+    ],
+)
 def test_host_tensor_in_device_op_raises_like_cuda(op):
     d, h = torch.ones(4, device=DEV), torch.zeros(4)
-    with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device, but found at least "
-                                           r"two devices, emulated:0 and cpu!"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"Expected all tensors to be on the same device, but found at least "
+        r"two devices, emulated:0 and cpu!",
+    ):
         op(d, h)
 
 

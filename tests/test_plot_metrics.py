@@ -32,8 +32,14 @@ def run_dir(tmp_path_factory):
 def test_plot_metrics_writes_a_png_of_a_real_run(run_dir):
     from matplotlib.image import imread
 
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(run_dir)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     png = Path(proc.stdout.strip().splitlines()[-1])
     assert png == run_dir / "dashboard.png"

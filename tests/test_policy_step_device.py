@@ -62,10 +62,16 @@ def _device_rules_worker(path: str, platform: str):
         trainer.train_micro_batch(make_micro_batch(chunk, policy_version=0))
     per_micro_batch = (emulated.transfer_counts() - before).d2h / len(chunks)
     result = trainer.finish_mini_batch()
-    return {"loss_path": loss_path.violations(), "totals_fp64": totals_path.fp64,
-            "totals_shapes": totals_path.data_dependent, "totals_reads": len(totals_path.host_reads),
-            "d2h_per_micro_batch": per_micro_batch, "denominator": result.denominator, "loss": result.loss,
-            "skipped": result.skipped}
+    return {
+        "loss_path": loss_path.violations(),
+        "totals_fp64": totals_path.fp64,
+        "totals_shapes": totals_path.data_dependent,
+        "totals_reads": len(totals_path.host_reads),
+        "d2h_per_micro_batch": per_micro_batch,
+        "denominator": result.denominator,
+        "loss": result.loss,
+        "skipped": result.skipped,
+    }
 
 
 def _call_in(recorder, fn, *args):

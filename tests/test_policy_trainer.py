@@ -32,15 +32,32 @@ def make_groups(vocab: int, masked: bool = False):
     out = []
     for i, (lp, lens) in enumerate(GROUP_SHAPES):
         prompt = tuple(torch.randint(0, vocab, (lp,), generator=g).tolist())
-        samples = tuple(Sample(prompt_id=f"p{i}", request_id=f"0/p{i}/{k}", index=k, prompt_ids=prompt,
-                               response_ids=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()),
-                               behav_logprobs=tuple((-torch.rand(n, generator=g)).tolist()), weight_version=0,
-                               finish_reason="stop", reward=0.0,
-                               loss_mask=(1, *torch.randint(0, 2, (n - 1,), generator=g).tolist()) if masked else None)
-                        for k, n in enumerate(lens))
-        out.append(ScoredGroup(step=0, prompt_index=i, prompt_id=f"p{i}", samples=samples,
-                               rewards=torch.zeros(len(lens)), advantages=torch.randn(len(lens), generator=g),
-                               kept=True))
+        samples = tuple(
+            Sample(
+                prompt_id=f"p{i}",
+                request_id=f"0/p{i}/{k}",
+                index=k,
+                prompt_ids=prompt,
+                response_ids=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()),
+                behav_logprobs=tuple((-torch.rand(n, generator=g)).tolist()),
+                weight_version=0,
+                finish_reason="stop",
+                reward=0.0,
+                loss_mask=(1, *torch.randint(0, 2, (n - 1,), generator=g).tolist()) if masked else None,
+            )
+            for k, n in enumerate(lens)
+        )
+        out.append(
+            ScoredGroup(
+                step=0,
+                prompt_index=i,
+                prompt_id=f"p{i}",
+                samples=samples,
+                rewards=torch.zeros(len(lens)),
+                advantages=torch.randn(len(lens), generator=g),
+                kept=True,
+            )
+        )
     return out
 
 
@@ -51,9 +68,13 @@ def _settings(path, kind):
 
     # SGD-like Adam (large eps): the update is a smooth function of the gradient, so the
     # comparison tests the gradient, not Adam's sign() of near-zero entries.
-    return TrainerSettings(hf_path=path, model=ModelConfig(hf_path=path, dtype="float32"),
-                           attention=AttentionConfig(backend="split"), loss=LossSettings(kind=kind, clip_high=0.28),
-                           trainer=TrainerConfig(steps=1, lr=1e-2, adam_eps=1e-2, grad_clip=100.0))
+    return TrainerSettings(
+        hf_path=path,
+        model=ModelConfig(hf_path=path, dtype="float32"),
+        attention=AttentionConfig(backend="split"),
+        loss=LossSettings(kind=kind, clip_high=0.28),
+        trainer=TrainerConfig(steps=1, lr=1e-2, adam_eps=1e-2, grad_clip=100.0),
+    )
 
 
 def _trained_weights(policy, spec):
@@ -132,17 +153,26 @@ def _assert_same(weights, ref):
 def test_split_and_order_do_not_change_the_update(checkpoint, kind, masked):
     """``masked``: multi-turn loss masks; observation tokens carry no gradient (the reference
     leaves them out of its loss), whatever the split, order or DP layout."""
-    (ref, ref_loss), = run_distributed(_reference_worker, 1, checkpoint, kind, masked)
-    runs = {
-        "one micro-batch": run_distributed(_trainer_worker, 1, checkpoint, kind, 10_000, False, masked),
-        "budget 20: several micro-batches": run_distributed(_trainer_worker, 1, checkpoint, kind, 20, False, masked),
-        "shuffled arrival, one group at a time": run_distributed(_trainer_worker, 1, checkpoint, kind, 20, True,
-                                                                 masked),
-        "2 DP ranks": run_distributed(_trainer_worker, 2, checkpoint, kind, 24, True, masked),
-    } if not masked else {  # the mask through a split, shuffled batch and over DP (the costly part: spawns)
-        "shuffled arrival, one group at a time": run_distributed(_trainer_worker, 1, checkpoint, kind, 20, True, True),
-        "2 DP ranks": run_distributed(_trainer_worker, 2, checkpoint, kind, 24, True, True),
-    }
+    ((ref, ref_loss),) = run_distributed(_reference_worker, 1, checkpoint, kind, masked)
+    runs = (
+        {
+            "one micro-batch": run_distributed(_trainer_worker, 1, checkpoint, kind, 10_000, False, masked),
+            "budget 20: several micro-batches": run_distributed(
+                _trainer_worker, 1, checkpoint, kind, 20, False, masked
+            ),
+            "shuffled arrival, one group at a time": run_distributed(
+                _trainer_worker, 1, checkpoint, kind, 20, True, masked
+            ),
+            "2 DP ranks": run_distributed(_trainer_worker, 2, checkpoint, kind, 24, True, masked),
+        }
+        if not masked
+        else {  # the mask through a split, shuffled batch and over DP (the costly part: spawns)
+            "shuffled arrival, one group at a time": run_distributed(
+                _trainer_worker, 1, checkpoint, kind, 20, True, True
+            ),
+            "2 DP ranks": run_distributed(_trainer_worker, 2, checkpoint, kind, 24, True, True),
+        }
+    )
     for name, results in runs.items():
         for weights, loss in results:
             _assert_same(weights, ref)

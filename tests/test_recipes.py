@@ -34,13 +34,37 @@ RECIPES = {
     "qwen2.5-7b-tool-python-910b": ("910b", 2, 8),  # multi-turn, sandboxed Python tool
 }
 PUBLISHED = {  # sizes from the model cards (Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B)
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                          num_experts_per_tok=8, vocab_size=151936),
-    "qwen2.5-7b-instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        vocab_size=151936,
+    ),
+    "qwen2.5-7b-instruct": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
 }
 
 
@@ -127,8 +151,17 @@ def test_launch_scripts_start_the_planned_ranks_per_node(name):
     assert (RECIPES_DIR / name / "run.sh") in scripts
     if device == "910b":
         assert (RECIPES_DIR / name / "run_msrun.sh") in scripts
-    launch_vars = ("MASTER_ADDR", "NNODES", "NPROC_PER_NODE", "NPROC", "PLATFORM", "DEVICES_PER_NODE", "ENGINE_DEVICES",
-                   "TRAIN_WORLD_SIZE", "RANK_BASE")
+    launch_vars = (
+        "MASTER_ADDR",
+        "NNODES",
+        "NPROC_PER_NODE",
+        "NPROC",
+        "PLATFORM",
+        "DEVICES_PER_NODE",
+        "ENGINE_DEVICES",
+        "TRAIN_WORLD_SIZE",
+        "RANK_BASE",
+    )
     base = {k: v for k, v in os.environ.items() if k not in launch_vars}
     base.update(MEGATRON_RL_DRY_RUN="1", MODEL_DIR="/data/model", SNAPSHOT_DIR="/shared/snapshots")
     if nodes > 1:

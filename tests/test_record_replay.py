@@ -45,13 +45,16 @@ def test_a_malformed_recording_names_file_and_line(tmp_path):
         item_from_json(json.loads(path.read_text()), where=f"{path}:1")
 
 
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("replay")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            trainer={"steps": 3, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+        trainer={"steps": 3, "prompts_per_batch": 3, "lr": 1e-2, "adam_eps": 1e-3},
+    )
     return tmp, str(config)
 
 
@@ -60,11 +63,17 @@ def setup(tmp_path_factory):
 def test_replay_makes_the_update_of_the_live_run(setup):
     tmp, config = setup
     rec = tmp / "live.jsonl"
-    (live,) = run_distributed(train_run, 1, config, [f"rollout.record={rec}", f"trainer.save_dir={tmp / 'live'}",
-                                                     "trainer.save_every=1"], timeout_s=600)
+    (live,) = run_distributed(
+        train_run,
+        1,
+        config,
+        [f"rollout.record={rec}", f"trainer.save_dir={tmp / 'live'}", "trainer.save_every=1"],
+        timeout_s=600,
+    )
     assert rec.read_text().count('"kind": "group"') == 9
-    (replayed,) = run_distributed(train_run, 1, config, [f"trainer.save_dir={tmp / 'replayed'}"], str(rec),
-                                  timeout_s=600)
+    (replayed,) = run_distributed(
+        train_run, 1, config, [f"trainer.save_dir={tmp / 'replayed'}"], str(rec), timeout_s=600
+    )
     assert [h["rollout/reward_mean"] for h in replayed] == [h["rollout/reward_mean"] for h in live]
     a, b = load_weights(tmp / "live" / "step_3" / "model"), load_weights(tmp / "replayed" / "step_3" / "model")
     initial = load_weights(tmp / "model")
@@ -72,9 +81,14 @@ def test_replay_makes_the_update_of_the_live_run(setup):
     for key, value in a.items():
         assert ((b[key] - value).abs().max() / value.abs().max()).item() <= 1e-6, key
     # replayed from the live run's checkpoint after step 1: versions (and staleness) as live
-    (resumed,) = run_distributed(train_run, 1, config, [f"trainer.save_dir={tmp / 'replayed_from_1'}",
-                                                        f"trainer.resume_from={tmp / 'live' / 'step_1'}"], str(rec),
-                                 timeout_s=600)
+    (resumed,) = run_distributed(
+        train_run,
+        1,
+        config,
+        [f"trainer.save_dir={tmp / 'replayed_from_1'}", f"trainer.resume_from={tmp / 'live' / 'step_1'}"],
+        str(rec),
+        timeout_s=600,
+    )
     assert [h["train/version"] for h in resumed] == [h["train/version"] for h in live[1:]] == [2.0, 3.0]
     assert [h["rollout/staleness_max"] for h in resumed] == [0, 0]
     c = load_weights(tmp / "replayed_from_1" / "step_3" / "model")
@@ -87,10 +101,24 @@ def test_replay_makes_the_update_of_the_live_run(setup):
 def test_rollout_only_generates_scores_and_records_without_training(setup):
     tmp, config = setup
     rec = tmp / "rollout_only.jsonl"
-    out = subprocess.run([sys.executable, "-m", "megatron_rl", "train", config, "--rollout-only", "trainer.steps=2",
-                          f"rollout.record={rec}", f"trainer.log_dir={tmp / 'rollout_only_logs'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "train",
+            config,
+            "--rollout-only",
+            "trainer.steps=2",
+            f"rollout.record={rec}",
+            f"trainer.log_dir={tmp / 'rollout_only_logs'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     items = list(read_recording(rec))
     assert [i.step for i in items if type(i).__name__ == "BatchEnd"] == [0, 1]

@@ -25,11 +25,24 @@ def no_key(monkeypatch):
     monkeypatch.delenv(KEY_VAR, raising=False)
 
 
-@pytest.mark.parametrize("host, loop", [
-    ("127.0.0.1", True), ("127.3.2.1", True), ("localhost", True), ("LocalHost", True), ("::1", True),
-    ("[::1]", True), ("10.0.0.5", False), ("192.168.1.2", False), (PUBLIC, False), ("0.0.0.0", False),
-    ("::", False), ("node-0", False), ("localhost.example.com", False),
-])
+@pytest.mark.parametrize(
+    "host, loop",
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("localhost", True),
+        ("LocalHost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("10.0.0.5", False),
+        ("192.168.1.2", False),
+        (PUBLIC, False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("node-0", False),
+        ("localhost.example.com", False),
+    ],
+)
 def test_is_loopback_only_for_this_machines_addresses(host, loop):
     assert is_loopback(host) is loop
 

@@ -34,7 +34,8 @@ def test_auto_picks_the_last_complete_checkpoint(tmp_path):
         resume_from: str | None
 
     cfg = dataclasses.make_dataclass("C", [("trainer", Trainer)], frozen=True)(
-        trainer=Trainer(save_dir=str(tmp_path), resume_from="auto"))
+        trainer=Trainer(save_dir=str(tmp_path), resume_from="auto")
+    )
     assert resolve_resume(cfg).trainer.resume_from == str(good)
     fresh = dataclasses.replace(cfg, trainer=Trainer(save_dir=str(tmp_path / "none"), resume_from="auto"))
     assert resolve_resume(fresh).trainer.resume_from is None
@@ -57,8 +58,14 @@ def test_launch_sh_passes_max_restarts(restarts):
 
     repo = Path(__file__).resolve().parents[1]
     env = {**__import__("os").environ, "MEGATRON_RL_DRY_RUN": "1", "MAX_RESTARTS": restarts, "PLATFORM": "cpu"}
-    out = subprocess.run(["bash", "examples/launch.sh", "examples/demo/config.yaml"], cwd=repo, env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "examples/launch.sh", "examples/demo/config.yaml"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert f"--max-restarts {restarts} " in out
 
 
@@ -72,12 +79,17 @@ def test_launch_msrun_runs_msrun_again_up_to_max_restarts(tmp_path, restarts, ok
 
     repo = Path(__file__).resolve().parents[1]
     fake = tmp_path / "msrun"
-    fake.write_text(f'#!/bin/bash\necho run >> {tmp_path}/runs\n[[ $(wc -l < {tmp_path}/runs) -ge 3 ]]\n')
+    fake.write_text(f"#!/bin/bash\necho run >> {tmp_path}/runs\n[[ $(wc -l < {tmp_path}/runs) -ge 3 ]]\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "MAX_RESTARTS": str(restarts)}
     env.pop("MEGATRON_RL_DRY_RUN", None)
-    out = subprocess.run(["bash", "examples/launch_msrun.sh", "examples/demo/config.yaml"], cwd=repo, env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", "examples/launch_msrun.sh", "examples/demo/config.yaml"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert (out.returncode == 0) is ok, out.stderr[-2000:]
     assert (tmp_path / "runs").read_text().count("run") == restarts + 1
     assert "msrun failed; restart 1 of" in out.stderr

@@ -28,15 +28,18 @@ def _record(answer: str) -> PromptRecord:
     return PromptRecord(prompt_id="p", text="question", answer=answer)
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("so the answer is \\boxed{15}.", "15"),
-    ("\\boxed{1} then \\boxed{ \\frac{1}{2} }", "\\frac{1}{2}"),
-    ("\\fbox{x^{2}}", "x^{2}"),
-    ("\\boxed {7}", "7"),
-    ("\\boxed{3} and \\boxed{unclosed", "3"),
-    ("no box: 15", None),
-    ("\\boxed{never closed", None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so the answer is \\boxed{15}.", "15"),
+        ("\\boxed{1} then \\boxed{ \\frac{1}{2} }", "\\frac{1}{2}"),
+        ("\\fbox{x^{2}}", "x^{2}"),
+        ("\\boxed {7}", "7"),
+        ("\\boxed{3} and \\boxed{unclosed", "3"),
+        ("no box: 15", None),
+        ("\\boxed{never closed", None),
+    ],
+)
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
@@ -101,15 +104,18 @@ def test_costly_answer_from_a_thread_returns_quickly():
     assert proc.stdout.strip().splitlines()[-1] == "[0.0, 0.0, 0.0, 1.0]"
 
 
-@pytest.mark.parametrize(("response", "answer", "expected"), [
-    ("\\boxed{42}", "42", 1.0),
-    ("\\boxed{ $42$ }", "42", 1.0),
-    ("\\boxed{\\text{Blue}.}", "blue", 1.0),
-    ("\\boxed{1,234}", "1234", 1.0),
-    ("\\boxed{42.0}", "42", 0.0),  # string equality, not numeric
-    ("\\boxed{4 2}", "42", 0.0),
-    ("42", "42", 0.0),
-])
+@pytest.mark.parametrize(
+    ("response", "answer", "expected"),
+    [
+        ("\\boxed{42}", "42", 1.0),
+        ("\\boxed{ $42$ }", "42", 1.0),
+        ("\\boxed{\\text{Blue}.}", "blue", 1.0),
+        ("\\boxed{1,234}", "1234", 1.0),
+        ("\\boxed{42.0}", "42", 0.0),  # string equality, not numeric
+        ("\\boxed{4 2}", "42", 0.0),
+        ("42", "42", 0.0),
+    ],
+)
 def test_exact_match_reward(response, answer, expected):
     assert exact_match_reward(_record(answer), response) == expected
 
@@ -129,6 +135,7 @@ def test_reasoning_gym_reward_uses_the_dataset_scorer():
 
 
 # ---------------------------------------------------------------- loading
+
 
 def contains_answer(record: PromptRecord, response_text: str) -> float:
     """Reference user reward: 1.0 if the reference answer appears anywhere in the response."""
@@ -160,14 +167,17 @@ def test_load_reference_implementation_by_dotted_path():
     assert load_reward_fn("tests.test_rewards:length_penalty")(_record("1"), "x" * 50) == -0.5
 
 
-@pytest.mark.parametrize(("spec", "pattern"), [
-    ("no_such_builtin", "must be one of"),
-    ("tests.no_such_module:f", "cannot import module"),
-    ("tests.test_rewards:missing", "has no attribute 'missing'"),
-    ("tests.test_rewards:_LengthPenalty", "function or callable instance"),
-    ("tests.test_rewards:ROOT", "function or callable instance"),
-    ("tests.test_rewards:one_argument", "cannot be called as fn"),
-])
+@pytest.mark.parametrize(
+    ("spec", "pattern"),
+    [
+        ("no_such_builtin", "must be one of"),
+        ("tests.no_such_module:f", "cannot import module"),
+        ("tests.test_rewards:missing", "has no attribute 'missing'"),
+        ("tests.test_rewards:_LengthPenalty", "function or callable instance"),
+        ("tests.test_rewards:ROOT", "function or callable instance"),
+        ("tests.test_rewards:one_argument", "cannot be called as fn"),
+    ],
+)
 def test_load_errors(spec, pattern):
     with pytest.raises(ValueError, match=pattern):
         load_reward_fn(spec)

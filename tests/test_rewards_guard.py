@@ -36,15 +36,18 @@ def constant(value):
     return fn
 
 
-@pytest.mark.parametrize(("fn", "kind", "message"), [
-    (raising, "raised", "KeyError: 'no such field'"),
-    (constant("1.0"), "not_a_number", "returned str '1.0'"),
-    (constant(None), "not_a_number", "returned NoneType"),
-    (constant([1.0]), "not_a_number", "returned list"),
-    (constant(torch.ones(2)), "not_a_number", "returned Tensor"),
-    (constant(float("nan")), "non_finite", "returned nan"),
-    (constant(float("-inf")), "non_finite", "returned -inf"),
-])
+@pytest.mark.parametrize(
+    ("fn", "kind", "message"),
+    [
+        (raising, "raised", "KeyError: 'no such field'"),
+        (constant("1.0"), "not_a_number", "returned str '1.0'"),
+        (constant(None), "not_a_number", "returned NoneType"),
+        (constant([1.0]), "not_a_number", "returned list"),
+        (constant(torch.ones(2)), "not_a_number", "returned Tensor"),
+        (constant(float("nan")), "non_finite", "returned nan"),
+        (constant(float("-inf")), "non_finite", "returned -inf"),
+    ],
+)
 def test_failure_scores_zero_and_is_counted(fn, kind, message):
     guarded = GuardedReward(fn, timeout_s=5.0)
     assert guarded(RECORD, "x") == 0.0 and guarded(RECORD, "y") == 0.0

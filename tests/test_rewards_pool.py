@@ -60,8 +60,11 @@ def test_pool_scores_and_counts_as_the_serial_path():
         pool.close()
     assert pooled == [serial(RECORD, t) for t in texts]
     a, b = pool.stats(), serial.stats()
-    assert (a.calls, a.failures) == (b.calls, b.failures) == (24, {**a.failures, "raised": 6, "non_finite": 3,
-                                                                   "not_a_number": 3, "timeout": 0, "crashed": 0})
+    assert (
+        (a.calls, a.failures)
+        == (b.calls, b.failures)
+        == (24, {**a.failures, "raised": 6, "non_finite": 3, "not_a_number": 3, "timeout": 0, "crashed": 0})
+    )
 
 
 def test_hung_and_crashing_calls_are_killed_replaced_and_counted():
@@ -83,6 +86,7 @@ def test_hung_and_crashing_calls_are_killed_replaced_and_counted():
 def test_pipeline_step_with_a_pool_equals_the_serial_step():
     """The same step, scored in the producer thread and by two worker processes: the same groups
     with the same rewards and advantages (groups may complete in another order)."""
+
     def run(reward_fn):
         engine = FakeEngine(order_seed=3)
         pipe, trainer = make_pipeline(engine, mode="sync", num_steps=1, reward_fn=reward_fn), FakeTrainer(engine)

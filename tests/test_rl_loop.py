@@ -39,10 +39,13 @@ def chat_setup(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("rl_multiturn")
     model = make_tiny_chat_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            environment={"kind": "echo", "options": {"turns": 2}, "max_turns": 3,
-                                         "max_total_tokens": 160},
-                            trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+        environment={"kind": "echo", "options": {"turns": 2}, "max_turns": 3, "max_total_tokens": 160},
+        trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3},
+    )
     return tmp, str(config)
 
 
@@ -50,16 +53,21 @@ def chat_setup(tmp_path_factory):
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            data={"max_prompt_tokens": 128},
-                            trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+        data={"max_prompt_tokens": 128},
+        trainer={"steps": 3, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3},
+    )
     return tmp, str(config)
 
 
 def _run(tmp, config, name, world, overrides, *, body=train_recorded, extra=()):
     out = tmp / name
-    ranks = run_distributed(body, world, config, [*overrides, f"trainer.save_dir={out}", "trainer.save_every=1"],
-                            *extra, timeout_s=900)
+    ranks = run_distributed(
+        body, world, config, [*overrides, f"trainer.save_dir={out}", "trainer.save_every=1"], *extra, timeout_s=900
+    )
     history, results = ranks[0]
     return out, history, results
 
@@ -103,11 +111,17 @@ VARIANTS = {
     "ppo_decoupled_recompute_tp2": (2, ["parallel.tp=2", "algorithm.loss=ppo_decoupled"], []),
     "dapo_kl_pp2": (2, ["parallel.pp=2", "algorithm.loss=dapo", "algorithm.kl.coef=0.1"], []),
     # sync packs whole groups; periodic splits each group across micro-batches (136 < 128 + 4 x 8)
-    "dr_grpo_kl_minibatches2_split": (1, ["algorithm.loss=dr_grpo", "algorithm.kl.coef=0.1", "trainer.mini_batches=2"],
-                                      ["pipeline.micro_batch_tokens=136"]),
+    "dr_grpo_kl_minibatches2_split": (
+        1,
+        ["algorithm.loss=dr_grpo", "algorithm.kl.coef=0.1", "trainer.mini_batches=2"],
+        ["pipeline.micro_batch_tokens=136"],
+    ),
     # multi-turn trajectories (chat_setup): every turn checked against θ_t like a response, loss mask on
-    "multiturn_echo_dapo_overlong": (1, ["algorithm.loss=dapo", "algorithm.overlong.enabled=true",
-                                         "algorithm.overlong.buffer=4"], []),
+    "multiturn_echo_dapo_overlong": (
+        1,
+        ["algorithm.loss=dapo", "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=4"],
+        [],
+    ),
 }
 
 
@@ -118,9 +132,13 @@ def test_periodic_equals_sync_and_samples_come_from_the_trained_weights(request,
     multiturn = variant.startswith("multiturn")
     logged = [f"rollout.record={tmp / variant}.jsonl", f"trainer.log_dir={tmp / variant}_logs"] if multiturn else []
     sync_dir, sync_hist, sync_results = _run(tmp, config, f"{variant}_sync", world, [*common, "pipeline.mode=sync"])
-    per_dir, per_hist, per_results = _run(tmp, config, f"{variant}_periodic", world,
-                                          [*common, "pipeline.mode=periodic", "rollout.max_batch_size=4",
-                                           *periodic_only, *logged])
+    per_dir, per_hist, per_results = _run(
+        tmp,
+        config,
+        f"{variant}_periodic",
+        world,
+        [*common, "pipeline.mode=periodic", "rollout.max_batch_size=4", *periodic_only, *logged],
+    )
     assert_same_update(tmp, sync_dir, per_dir, tol=1e-4)
     for out, results in ((sync_dir, sync_results), (per_dir, per_results)):
         assert len({"/".join(r.request_id.split("/")[:3]) for r in results}) == 3 * 4 * 4  # trajectories
@@ -165,9 +183,9 @@ def assert_trained_ids_are_engine_and_template_ids(recording, results):
         assert len(own) == s.turns
         for r in own:
             start = len(r.prompt_ids) - len(s.prompt_ids)
-            assert full[:len(r.prompt_ids) + len(r.response_ids)] == r.prompt_ids + r.response_ids
-            mask[start:start + len(r.response_ids)] = [1] * len(r.response_ids)
-            behav[start:start + len(r.response_ids)] = r.logprobs
+            assert full[: len(r.prompt_ids) + len(r.response_ids)] == r.prompt_ids + r.response_ids
+            mask[start : start + len(r.response_ids)] = [1] * len(r.response_ids)
+            behav[start : start + len(r.response_ids)] = r.logprobs
         assert tuple(mask) == s.loss_mask and tuple(behav) == s.behav_logprobs
 
 
@@ -180,8 +198,14 @@ def assert_multiturn_dashboard(log_dir):
     from matplotlib.image import imread
 
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(repo / "tools" / "plot_metrics.py"), str(log_dir)], cwd=repo,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(repo / "tools" / "plot_metrics.py"), str(log_dir)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     height, width, _ = imread(log_dir / "dashboard.png").shape
     assert (width, height) == (16 * 80, int(12.5 * 80))
@@ -225,10 +249,22 @@ def test_stale_mode_reaches_its_staleness_and_trains_the_a3po_loss(setup, k):
     A-3PO loss. The engine holds each weight update until the producer is k batches ahead
     (``LeadHoldingEngine``), so the lead does not depend on how the cores are shared."""
     tmp, config = setup
-    out, history, results = _run(tmp, config, f"stale_k{k}", 1, [
-        "pipeline.mode=stale", f"pipeline.max_staleness={k}", "pipeline.queue_size=64",
-        "algorithm.loss=ppo_decoupled", "algorithm.proximal=loglinear", "trainer.steps=6"],
-        body=train_recorded_ahead, extra=(k,))
+    out, history, results = _run(
+        tmp,
+        config,
+        f"stale_k{k}",
+        1,
+        [
+            "pipeline.mode=stale",
+            f"pipeline.max_staleness={k}",
+            "pipeline.queue_size=64",
+            "algorithm.loss=ppo_decoupled",
+            "algorithm.proximal=loglinear",
+            "trainer.steps=6",
+        ],
+        body=train_recorded_ahead,
+        extra=(k,),
+    )
     assert [h["train/version"] for h in history] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert max(h["rollout/staleness_max"] for h in history) == k  # it really ran ahead by k
 
@@ -250,8 +286,9 @@ def test_resume_from_a_checkpoint_continues_exactly(setup):
     straight, _, _ = _run(tmp, config, "straight", 1, ["pipeline.mode=sync"])
     assert (straight / "step_1" / "trainer_state.json").is_file()
     assert not list(straight.glob("*.tmp")), "a staging directory was left behind"
-    resumed, history, results = _run(tmp, config, "resumed", 1, ["pipeline.mode=sync",
-                                                                 f"trainer.resume_from={straight / 'step_1'}"])
+    resumed, history, results = _run(
+        tmp, config, "resumed", 1, ["pipeline.mode=sync", f"trainer.resume_from={straight / 'step_1'}"]
+    )
     assert len(history) == 2
     # versions keep counting optimizer steps: the engines start at the checkpoint's version 1
     assert [h["train/version"] for h in history] == [2.0, 3.0]

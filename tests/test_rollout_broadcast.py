@@ -28,9 +28,17 @@ def setup(tmp_path_factory):
     (reference,) = run_distributed(trainer_update, 1, str(hf_dir), str(snap), PROMPTS, 6)
     tensors = load_snapshot_tensors(snap)
     cores = sorted(os.sched_getaffinity(0))
-    engine = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=str(hf_dir), num_engines=2,
-                                         max_batch_size=3, devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"),
-                                         weight_sync="broadcast"))
+    engine = build_engine(
+        EngineSettings(
+            dtype="float32",
+            engine="hf",
+            model_path=str(hf_dir),
+            num_engines=2,
+            max_batch_size=3,
+            devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"),
+            weight_sync="broadcast",
+        )
+    )
     sender = make_sender(engine, "broadcast", sorted(tensors.items()), tmp)  # its group outlives a sync
     sender.sync(1)
     yield engine, reference, sender

@@ -29,8 +29,13 @@ RESTART_BOUND_S = 45.0  # spawn + torch import of one worker on a loaded 2-core 
 
 
 def _pool(tmp_path, n=2, max_restarts=3, **env) -> WorkerPool:
-    return WorkerPool(echo_specs(tmp_path, n, **env), max_batch_size=3, max_restarts=max_restarts,
-                      request_timeout_s=TIMEOUT_S, start_timeout_s=120)
+    return WorkerPool(
+        echo_specs(tmp_path, n, **env),
+        max_batch_size=3,
+        max_restarts=max_restarts,
+        request_timeout_s=TIMEOUT_S,
+        start_timeout_s=120,
+    )
 
 
 def _requests(n=12):
@@ -39,8 +44,7 @@ def _requests(n=12):
 
 def _check_exactly_once(results, reqs, version=0):
     assert Counter(r.request_id for r in results) == Counter(r.request_id for r in reqs)
-    for r, q in zip(sorted(results, key=lambda r: r.request_id), sorted(reqs, key=lambda q: q.request_id),
-                    strict=True):
+    for r, q in zip(sorted(results, key=lambda r: r.request_id), sorted(reqs, key=lambda q: q.request_id), strict=True):
         assert r.response_ids == echo_response(q.prompt_ids, 4, q.sampling.seed) and r.weight_version == version
 
 

@@ -31,12 +31,15 @@ def _load(overrides):
     return load_config(RECIPE, overrides, hf_config=SHAPE)
 
 
-@pytest.mark.parametrize(("overrides", "nodes", "key"), [
-    (["rollout.engine_nodes=[0,1]"], None, "rollout.engine_nodes"),  # 2 entries, 4 engines
-    (["rollout.engine_nodes=[0,0,1,2]"], "2", "rollout.engine_nodes"),  # node 2 of a 2-node launch
-    (["rollout.engine_nodes=[0,0,-1,1]"], None, "rollout.engine_nodes"),
-    (["rollout.weight_sync=shared_memory"], None, "rollout.weight_sync"),  # node 0's /dev/shm
-])
+@pytest.mark.parametrize(
+    ("overrides", "nodes", "key"),
+    [
+        (["rollout.engine_nodes=[0,1]"], None, "rollout.engine_nodes"),  # 2 entries, 4 engines
+        (["rollout.engine_nodes=[0,0,1,2]"], "2", "rollout.engine_nodes"),  # node 2 of a 2-node launch
+        (["rollout.engine_nodes=[0,0,-1,1]"], None, "rollout.engine_nodes"),
+        (["rollout.weight_sync=shared_memory"], None, "rollout.weight_sync"),  # node 0's /dev/shm
+    ],
+)
 def test_check_config_refuses_bad_engine_placement_naming_the_key(monkeypatch, overrides, nodes, key):
     monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
     if nodes is None:
@@ -50,9 +53,18 @@ def test_check_config_refuses_bad_engine_placement_naming_the_key(monkeypatch, o
 def test_plan_places_each_nodes_engines_on_its_top_devices():
     layout = plan_layout(_load([]), nodes=2, devices_per_node=8)
     assert layout.ranks_per_node == (4, 4) and [len(layout.engines_on(n)) for n in (0, 1)] == [2, 2]
-    uneven = plan_layout(_load(["rollout.num_engines=3", "rollout.engine_nodes=[0,1,1]", "parallel.tp=2",
-                                'rollout.devices=["npu:6,7","npu:4,5","npu:6,7"]']),
-                         nodes=2, devices_per_node=8)
+    uneven = plan_layout(
+        _load(
+            [
+                "rollout.num_engines=3",
+                "rollout.engine_nodes=[0,1,1]",
+                "parallel.tp=2",
+                'rollout.devices=["npu:6,7","npu:4,5","npu:6,7"]',
+            ]
+        ),
+        nodes=2,
+        devices_per_node=8,
+    )
     assert uneven.ranks_per_node == (6, 4) and uneven.dp == 5 and uneven.engines_on(1) == [1, 2]
     with pytest.raises(LayoutError, match="node 1"):  # node 1's engines on NPUs 0-3: its training ids
         plan_layout(_load(['rollout.devices=["npu:4,5","npu:6,7","npu:0,1","npu:2,3"]']), nodes=2, devices_per_node=8)
@@ -95,8 +107,13 @@ def test_remote_worker_crash_is_restarted_by_its_host_and_reissued_once(tmp_path
     port = free_port()
     host = threading.Thread(target=serve, args=([remote], ("127.0.0.1", port)), kwargs={"timeout_s": 120})
     host.start()
-    pool = WorkerPool([local, remote], max_batch_size=3, request_timeout_s=120, start_timeout_s=120,
-                      remote=EngineHub("127.0.0.1", port))
+    pool = WorkerPool(
+        [local, remote],
+        max_batch_size=3,
+        request_timeout_s=120,
+        start_timeout_s=120,
+        remote=EngineHub("127.0.0.1", port),
+    )
     try:
         reqs = [request(f"0/p{j}/{k}", (j + 1, k + 2), max_new=4, seed=k) for j in range(4) for k in range(3)]
         results = list(pool.generate(reqs))

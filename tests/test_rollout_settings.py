@@ -12,10 +12,18 @@ from megatron_rl.rollout.engine import worker_specs
 from megatron_rl.rollout.sampling import sample_next, top_p_mask
 
 
-@pytest.mark.parametrize(("text", "kind", "ids"), [
-    ("cpu", "cpu", ()), ("cpu:1", "cpu", (1,)), ("cpu:0-2", "cpu", (0, 1, 2)), ("cpu:0,3-4", "cpu", (0, 3, 4)),
-    ("cuda:0", "cuda", (0,)), ("cuda:2,3", "cuda", (2, 3)), ("npu:7", "npu", (7,)),
-])
+@pytest.mark.parametrize(
+    ("text", "kind", "ids"),
+    [
+        ("cpu", "cpu", ()),
+        ("cpu:1", "cpu", (1,)),
+        ("cpu:0-2", "cpu", (0, 1, 2)),
+        ("cpu:0,3-4", "cpu", (0, 3, 4)),
+        ("cuda:0", "cuda", (0,)),
+        ("cuda:2,3", "cuda", (2, 3)),
+        ("npu:7", "npu", (7,)),
+    ],
+)
 def test_parse_device(text, kind, ids):
     assert parse_device(text) == DeviceAssignment(kind=kind, ids=ids)
 
@@ -26,21 +34,24 @@ def test_parse_device_rejects(text):
         parse_device(text)
 
 
-@pytest.mark.parametrize(("changes", "field"), [
-    ({"engine": "sglang"}, "rollout.engine"),
-    ({"dtype": "int8"}, "rollout.dtype"),
-    ({"num_engines": 0}, "rollout.num_engines"),
-    ({"max_batch_size": 0}, "rollout.max_batch_size"),
-    ({"max_restarts": -1}, "rollout.max_restarts"),
-    ({"num_engines": 2, "devices": ("cpu:0",)}, "rollout.devices"),
-    ({"engine": "vllm", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
-    ({"engine": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices: \[0\] = 'cuda:0'"),
-    ({"tensor_parallel_size": 2, "devices": ("cuda:0,1",)}, "rollout.tensor_parallel_size"),
-    ({"model_path": "/nonexistent/model"}, "model.hf_path"),
-    ({"vllm": {"max_model_len": 64}}, "rollout.vllm: is only for rollout.engine 'vllm'"),
-    ({"dtype": "float16"}, "rollout.dtype"),  # the schema's DType: float16 is not a trainer or engine dtype
-    ({"model_dtype": "float16"}, "model.dtype"),
-])
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"engine": "sglang"}, "rollout.engine"),
+        ({"dtype": "int8"}, "rollout.dtype"),
+        ({"num_engines": 0}, "rollout.num_engines"),
+        ({"max_batch_size": 0}, "rollout.max_batch_size"),
+        ({"max_restarts": -1}, "rollout.max_restarts"),
+        ({"num_engines": 2, "devices": ("cpu:0",)}, "rollout.devices"),
+        ({"engine": "vllm", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
+        ({"engine": "vllm", "tensor_parallel_size": 2, "devices": ("cuda:0",)}, r"rollout.devices: \[0\] = 'cuda:0'"),
+        ({"tensor_parallel_size": 2, "devices": ("cuda:0,1",)}, "rollout.tensor_parallel_size"),
+        ({"model_path": "/nonexistent/model"}, "model.hf_path"),
+        ({"vllm": {"max_model_len": 64}}, "rollout.vllm: is only for rollout.engine 'vllm'"),
+        ({"dtype": "float16"}, "rollout.dtype"),  # the schema's DType: float16 is not a trainer or engine dtype
+        ({"model_dtype": "float16"}, "model.dtype"),
+    ],
+)
 def test_settings_errors_name_the_field(tmp_path, changes, field):
     # refused when built (the config's own rollout rules) or, for the weights, when the specs are made
     with pytest.raises(ValueError, match=field):
@@ -48,14 +59,23 @@ def test_settings_errors_name_the_field(tmp_path, changes, field):
 
 
 def test_worker_specs_one_per_device(tmp_path):
-    specs = worker_specs(EngineSettings(dtype="float32", engine="vllm", model_path=str(tmp_path), num_engines=2,
-                                        devices=("cuda:0,1", "cuda:2,3"), tensor_parallel_size=2,
-                                        sampling=SamplingConfig(seed=5)))
+    specs = worker_specs(
+        EngineSettings(
+            dtype="float32",
+            engine="vllm",
+            model_path=str(tmp_path),
+            num_engines=2,
+            devices=("cuda:0,1", "cuda:2,3"),
+            tensor_parallel_size=2,
+            sampling=SamplingConfig(seed=5),
+        )
+    )
     assert [(s.index, s.device.ids, s.seed) for s in specs] == [(0, (0, 1), 5), (1, (2, 3), 6)]
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5),
-                                              ("max_new_tokens", 0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("max_new_tokens", 0)]
+)
 def test_sampling_settings_reject(field, value):
     with pytest.raises(ValueError, match=f"sampling.{field}"):
         SamplingSettings(**{field: value})

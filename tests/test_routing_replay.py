@@ -36,17 +36,31 @@ VOCAB, LAYERS, EXPERTS, TOP_K = 300, 4, 4, 2  # tests.hf_moe_models' qwen3_moe (
 def _sample(k: int, prompt: tuple[int, ...], n: int, rng: np.random.Generator, routes: bool = True) -> Sample:
     rows = len(prompt) + n - 1
     idx = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(rows * LAYERS)]).reshape(rows, LAYERS, TOP_K)
-    return Sample(prompt_id="p", request_id=f"0/p/{k}", index=k, prompt_ids=prompt,
-                  response_ids=tuple(int(t) for t in rng.integers(0, VOCAB, n)), behav_logprobs=(-1.0,) * n,
-                  weight_version=0, finish_reason="length", reward=float(k),
-                  routed_experts=RoutedExperts(idx) if routes else None)
+    return Sample(
+        prompt_id="p",
+        request_id=f"0/p/{k}",
+        index=k,
+        prompt_ids=prompt,
+        response_ids=tuple(int(t) for t in rng.integers(0, VOCAB, n)),
+        behav_logprobs=(-1.0,) * n,
+        weight_version=0,
+        finish_reason="length",
+        reward=float(k),
+        routed_experts=RoutedExperts(idx) if routes else None,
+    )
 
 
 def _group(samples) -> ScoredGroup:
     g = len(samples)
-    return ScoredGroup(step=0, prompt_index=0, prompt_id="p", samples=tuple(samples),
-                       rewards=torch.arange(g, dtype=torch.float32), advantages=torch.arange(g, dtype=torch.float32),
-                       kept=True)
+    return ScoredGroup(
+        step=0,
+        prompt_index=0,
+        prompt_id="p",
+        samples=tuple(samples),
+        rewards=torch.arange(g, dtype=torch.float32),
+        advantages=torch.arange(g, dtype=torch.float32),
+        kept=True,
+    )
 
 
 def _expected(samples, prompt_from: Sample | None = None) -> torch.Tensor:
@@ -108,13 +122,15 @@ def test_hf_engine_records_the_routes_its_layers_used(tmp_path):
     from megatron_rl.rollout.worker import WorkerSpec
 
     path = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
-    spec = WorkerSpec(index=0, backend="hf", model_path=str(path), device=DeviceAssignment(kind="cpu"),
-                      return_routed_experts=True)
+    spec = WorkerSpec(
+        index=0, backend="hf", model_path=str(path), device=DeviceAssignment(kind="cpu"), return_routed_experts=True
+    )
     engine = HFBackend(spec)
     prompts = [(3, 4, 5, 6, 7), (9, 8), (11, 12, 13)]  # uneven: left padding in the batch
-    requests = [GenerationRequest(request_id=str(i), prompt_ids=p,
-                                  sampling=SamplingSettings(max_new_tokens=4 + i, seed=i))
-                for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(request_id=str(i), prompt_ids=p, sampling=SamplingSettings(max_new_tokens=4 + i, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     results = {r.request_id: r for r in engine.generate(requests, weight_version=0)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for r in results.values():
@@ -139,9 +155,11 @@ def test_config_refuses_replay_without_moe_or_without_route_output(tmp_path):
     replay = ["algorithm.routing_replay=rollout"]
     assert load_config(path, replay, hf_config=moe).algorithm.routing_replay == "rollout"  # hf engine on CPU
     assert load_config(path, [*replay, "rollout.engine=vllm", "rollout.devices=[cuda:0]"], hf_config=moe)
-    cases = [(SMOLLM2, [], "is a dense model"),
-             (moe, ["rollout.engine=vllm"], "vLLM on CPU"),
-             (moe, ["algorithm.routing_replay=always"], "algorithm.routing_replay")]
+    cases = [
+        (SMOLLM2, [], "is a dense model"),
+        (moe, ["rollout.engine=vllm"], "vLLM on CPU"),
+        (moe, ["algorithm.routing_replay=always"], "algorithm.routing_replay"),
+    ]
     for hf, extra, words in cases:
         with pytest.raises(ConfigError, match=words) as info:
             load_config(path, [*replay, *extra], hf_config=hf)
@@ -163,9 +181,12 @@ def test_routes_survive_dp_shipping_and_the_vllm_output():
     assert sent.groups == () and torch.equal(sent.packed.routed_experts, _expected(group.samples))
     # vLLM's CompletionOutput.routed_experts [prompt + response - 1, layers, top_k] -> GenerationResult
     routes = rng.integers(0, EXPERTS, (3 + 2 - 1, LAYERS, TOP_K))
-    completion = SimpleNamespace(token_ids=[7, 8], logprobs=[{7: SimpleNamespace(logprob=-1.0)},
-                                                            {8: SimpleNamespace(logprob=-2.0)}],
-                                 finish_reason="length", routed_experts=routes)
+    completion = SimpleNamespace(
+        token_ids=[7, 8],
+        logprobs=[{7: SimpleNamespace(logprob=-1.0)}, {8: SimpleNamespace(logprob=-2.0)}],
+        finish_reason="length",
+        routed_experts=routes,
+    )
     request = GenerationRequest(request_id="r", prompt_ids=(1, 2, 3), sampling=SamplingSettings())
     output = SimpleNamespace(outputs=[completion], num_cached_tokens=0)  # vLLM's RequestOutput
     assert _result(request, output, 0).routed_experts == RoutedExperts(routes)

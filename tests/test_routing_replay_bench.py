@@ -20,8 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_replay_makes_routes_agree_and_lowers_the_mismatch():
-    cmd = [sys.executable, str(REPO / "tools" / "routing_replay_bench.py"), "--router-noise", "0", "0.1",
-           "--prompts", "2", "--group-size", "4", "--max-new-tokens", "24"]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "routing_replay_bench.py"),
+        "--router-noise",
+        "0",
+        "0.1",
+        "--prompts",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "24",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("{")]

@@ -40,18 +40,48 @@ def _engine_group(clean, noisy_dir):
             if name.endswith("mlp.gate.weight"):
                 p.add_(0.1 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
     hf.save_pretrained(noisy_dir)
-    engine = HFBackend(WorkerSpec(index=0, backend="hf", model_path=str(noisy_dir), dtype="bfloat16",
-                                  device=DeviceAssignment(kind="cpu"), return_routed_experts=True))
+    engine = HFBackend(
+        WorkerSpec(
+            index=0,
+            backend="hf",
+            model_path=str(noisy_dir),
+            dtype="bfloat16",
+            device=DeviceAssignment(kind="cpu"),
+            return_routed_experts=True,
+        )
+    )
     prompt = tuple(range(5, 17))
-    requests = [GenerationRequest(request_id=f"0/p/{k}", prompt_ids=prompt,
-                                  sampling=SamplingSettings(max_new_tokens=12, seed=k)) for k in range(3)]
+    requests = [
+        GenerationRequest(
+            request_id=f"0/p/{k}", prompt_ids=prompt, sampling=SamplingSettings(max_new_tokens=12, seed=k)
+        )
+        for k in range(3)
+    ]
     results = sorted(engine.generate(requests, weight_version=0), key=lambda r: r.request_id)
-    samples = tuple(Sample(prompt_id="p", request_id=r.request_id, index=k, prompt_ids=r.prompt_ids,
-                           response_ids=r.response_ids, behav_logprobs=r.logprobs, weight_version=0,
-                           finish_reason=r.finish_reason, reward=float(k), routed_experts=r.routed_experts)
-                    for k, r in enumerate(results))
-    return ScoredGroup(step=0, prompt_index=0, prompt_id="p", samples=samples, rewards=torch.zeros(3),
-                       advantages=torch.zeros(3), kept=True)
+    samples = tuple(
+        Sample(
+            prompt_id="p",
+            request_id=r.request_id,
+            index=k,
+            prompt_ids=r.prompt_ids,
+            response_ids=r.response_ids,
+            behav_logprobs=r.logprobs,
+            weight_version=0,
+            finish_reason=r.finish_reason,
+            reward=float(k),
+            routed_experts=r.routed_experts,
+        )
+        for k, r in enumerate(results)
+    )
+    return ScoredGroup(
+        step=0,
+        prompt_index=0,
+        prompt_id="p",
+        samples=samples,
+        rewards=torch.zeros(3),
+        advantages=torch.zeros(3),
+        kept=True,
+    )
 
 
 def _replay_worker(layout, paths, group):
@@ -123,9 +153,11 @@ def _recompute_worker(paths, group):
     policy = load_model_from_hf(paths[0], attention_backend="split", megatron_overrides=recompute)[0]
     calls = []
     for router in moe_routers(policy):
+
         def hook(module, args, output, n=router.layer_number):
             routing_map = output[1]
             calls.append((n, routing_map.nonzero()[:, 1].reshape(-1, module.topk).detach().cpu()))
+
         router.register_forward_hook(hook)
     mb = make_micro_batch([group], policy_version=0).packed
     plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1, offload_old=False, offload_ref=False)

@@ -42,9 +42,17 @@ def _wide_model(path: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                         tie_word_embeddings=False, rope_theta=10000.0)
+    config = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
 
@@ -62,15 +70,27 @@ def _measure(path: str, out: str, tp: int, distributed: bool) -> dict[str, int]:
     from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
 
     initialize_parallel(tp=tp, pp=1)
-    settings = TrainerSettings(hf_path=path, model=ModelConfig(hf_path=path, dtype="float32"),
-                               parallel=ParallelConfig(distributed_optimizer=distributed),
-                               attention=AttentionConfig(backend="split"), loss=LossSettings(kind="grpo"),
-                               trainer=TrainerConfig(steps=1, lr=1e-3))
+    settings = TrainerSettings(
+        hf_path=path,
+        model=ModelConfig(hf_path=path, dtype="float32"),
+        parallel=ParallelConfig(distributed_optimizer=distributed),
+        attention=AttentionConfig(backend="split"),
+        loss=LossSettings(kind="grpo"),
+        trainer=TrainerConfig(steps=1, lr=1e-3),
+    )
     trainer, policy, spec = build_policy_trainer(settings)
     trainer.train_micro_batch(make_micro_batch(make_groups(spec.vocab_size)[:1], policy_version=0))
     trainer.finish_mini_batch()  # the moments exist
-    replica = Replica(trainer, policy, spec, engine=None, snapshot_root=Path(out) / "snapshots", source_dir=path,
-                      channel=ReplicaChannel(), weight_sync="snapshot")
+    replica = Replica(
+        trainer,
+        policy,
+        spec,
+        engine=None,
+        snapshot_root=Path(out) / "snapshots",
+        source_dir=path,
+        channel=ReplicaChannel(),
+        weight_sync="snapshot",
+    )
     calls = {
         "optimizer_state": lambda d: save_optimizer_state(trainer.optimizer, policy, spec, Path(out) / d / "opt"),
         "hf_checkpoint": lambda d: save_hf_checkpoint(policy, spec, Path(out) / d / "model", source_dir=path),
@@ -80,8 +100,13 @@ def _measure(path: str, out: str, tp: int, distributed: bool) -> dict[str, int]:
         call("warm-up")  # first-call imports, caches and communication buffers are not the save's
     rises = {name: _peak_rise(lambda c=call: c("measured")) for name, call in calls.items()}
     full = [p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in policy.parameters()]
-    return {**rises, "largest": max(full) * 4, "weights": sum(full) * 4, "moments": 2 * sum(full) * 4,
-            "rank": ps.get_tensor_model_parallel_rank() + tp * ps.get_data_parallel_rank()}
+    return {
+        **rises,
+        "largest": max(full) * 4,
+        "weights": sum(full) * 4,
+        "moments": 2 * sum(full) * 4,
+        "rank": ps.get_tensor_model_parallel_rank() + tp * ps.get_data_parallel_rank(),
+    }
 
 
 @pytest.mark.parametrize(("tp", "distributed"), [(2, False), (1, True)], ids=["tp2", "dp2_distributed_optimizer"])
@@ -92,11 +117,15 @@ def test_save_and_snapshot_peak_is_one_gathered_tensor(tmp_path, monkeypatch, tp
     path = str(_wide_model(tmp_path / "wide"))
     ranks = run_distributed(_measure, 2, path, str(tmp_path), tp, distributed, fresh=True)  # process memory
     for m in ranks:
-        print(f"rank {m['rank']}: largest tensor {m['largest'] / 2**20:.1f} MiB, stage weights "
-              f"{m['weights'] / 2**20:.1f} MiB, moments {m['moments'] / 2**20:.1f} MiB; peak rise MiB: "
-              + ", ".join(f"{k} {m[k] / 2**20:.1f}" for k in ("optimizer_state", "hf_checkpoint", "snapshot_sync")))
+        print(
+            f"rank {m['rank']}: largest tensor {m['largest'] / 2**20:.1f} MiB, stage weights "
+            f"{m['weights'] / 2**20:.1f} MiB, moments {m['moments'] / 2**20:.1f} MiB; peak rise MiB: "
+            + ", ".join(f"{k} {m[k] / 2**20:.1f}" for k in ("optimizer_state", "hf_checkpoint", "snapshot_sync"))
+        )
     for m in ranks:
         bound = 4 * m["largest"] + SLACK
         for key in ("optimizer_state", "hf_checkpoint", "snapshot_sync"):
-            assert m[key] <= bound, (f"rank {m['rank']}: {key} raised the peak by {m[key] / 2**20:.1f} MiB, more than "
-                                     f"4 x the largest tensor + 4 MiB ({bound / 2**20:.1f} MiB)")
+            assert m[key] <= bound, (
+                f"rank {m['rank']}: {key} raised the peak by {m[key] / 2**20:.1f} MiB, more than "
+                f"4 x the largest tensor + 4 MiB ({bound / 2**20:.1f} MiB)"
+            )

@@ -52,13 +52,14 @@ def test_geometric_mode_weights_by_exp_of_the_mean_log_ratio(kind):
     deltas = [[0.1, -0.3], [-1.5, -1.1, 0.2], [0.0], [0.4, 0.4, 0.4, -0.1]]
     trainer, behav, mask = _padded(deltas)
     settings = RolloutCorrection(mode=f"geometric_{kind}", c_min=0.5, c_max=1.2)
-    out = rollout_correction(settings, trainer_logp=trainer, behav_logp=behav, logp=trainer,
-                             advantages=torch.ones(len(deltas)), mask=mask)
+    out = rollout_correction(
+        settings, trainer_logp=trainer, behav_logp=behav, logp=trainer, advantages=torch.ones(len(deltas)), mask=mask
+    )
     for i, row in enumerate(deltas):
         r = math.exp(sum(row) / len(row))  # 0.905, 0.449, 1.0, 1.32
         expected = (r if 0.5 <= r <= 1.2 else 0.0) if kind == "mask" else min(max(r, 0.5), 1.2)
         assert out.weight[i, : len(row)].tolist() == pytest.approx([expected] * len(row), rel=1e-5)
-        assert out.weight[i, len(row):].abs().sum() == 0
+        assert out.weight[i, len(row) :].abs().sum() == 0
 
 
 def test_the_sequence_product_collapses_with_length_and_the_geometric_mean_does_not():

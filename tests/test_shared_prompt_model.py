@@ -6,6 +6,7 @@ Reference: every ``[prompt, r_i]`` as its own sequence through a model with mega
 ``DotProductAttention``. Per-token log-probs and every parameter's gradient must agree, at
 TP=1, TP=2 and PP=2 (gloo), with ragged responses, K = 1 and length-1 responses.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,9 +25,13 @@ def make_groups(vocab: int, seed: int = 3):
     from megatron_rl.attention.packing import TokenGroup
 
     g = torch.Generator().manual_seed(seed)
-    return [TokenGroup(prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
-                       response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens))
-            for lp, lens in GROUPS]
+    return [
+        TokenGroup(
+            prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
+            response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens),
+        )
+        for lp, lens in GROUPS
+    ]
 
 
 def _run(model, micro_batches, vocab_size, *, forward_only: bool = False):
@@ -44,8 +49,14 @@ def _run(model, micro_batches, vocab_size, *, forward_only: bool = False):
         lp = vocab_parallel_logprobs(logits[0, mb["logit_index"]], mb["targets"], vocab_size=vocab_size)
         return (lp * mb["weights"]).sum(), lp.detach()
 
-    payloads = run_schedule(model, micro_batches, forward_step=forward_step, loss=loss,
-                            seq_length=lambda mb: mb["ids"].numel(), forward_only=forward_only)
+    payloads = run_schedule(
+        model,
+        micro_batches,
+        forward_step=forward_step,
+        loss=loss,
+        seq_length=lambda mb: mb["ids"].numel(),
+        forward_only=forward_only,
+    )
     return torch.cat(payloads) if payloads else torch.empty(0)  # log-probs live on the last stage
 
 
@@ -53,8 +64,16 @@ def _packed_batches(groups, weights):
     from megatron_rl.attention.packing import pack_groups
 
     (mb,) = pack_groups(groups, token_budget=10_000)
-    return [{"ids": mb.token_ids, "pos": mb.position_ids, "layout": mb.layout,
-             "logit_index": mb.logit_index, "targets": mb.target_ids, "weights": weights}]
+    return [
+        {
+            "ids": mb.token_ids,
+            "pos": mb.position_ids,
+            "layout": mb.layout,
+            "logit_index": mb.logit_index,
+            "targets": mb.target_ids,
+            "weights": weights,
+        }
+    ]
 
 
 def _copy_batches(groups, weights):
@@ -65,8 +84,16 @@ def _copy_batches(groups, weights):
         for r in g.response_ids:
             seq = torch.cat([g.prompt_ids, r])
             idx = torch.arange(lp - 1, lp - 1 + r.numel())
-            out.append({"ids": seq, "pos": torch.arange(seq.numel()), "layout": None,
-                        "logit_index": idx, "targets": r, "weights": weights[n:n + r.numel()]})
+            out.append(
+                {
+                    "ids": seq,
+                    "pos": torch.arange(seq.numel()),
+                    "layout": None,
+                    "logit_index": idx,
+                    "targets": r,
+                    "weights": weights[n : n + r.numel()],
+                }
+            )
             n += r.numel()
     return out
 

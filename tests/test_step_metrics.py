@@ -4,6 +4,7 @@ phases make up the step, throughput follows from them, and the console shows the
 Reference: the results the (real, hf) engine handed out, recorded by a wrapper
 (``tests.rl_fixtures.RecordingEngine``), not anything the pipeline computed.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -21,9 +22,13 @@ PHASES = ("queue_wait", "train", "optimizer", "weight_sync", "idle")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("metrics")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, trainer={"steps": 3, "prompts_per_batch": 3, "log_dir": str(tmp / "log")},
-                            pipeline={"mode": "sync", "micro_batch_tokens": 256})
-    (history, results), = run_distributed(train_recorded, 1, str(config), [])
+    config = tiny_rl_config(
+        tmp,
+        model,
+        trainer={"steps": 3, "prompts_per_batch": 3, "log_dir": str(tmp / "log")},
+        pipeline={"mode": "sync", "micro_batch_tokens": 256},
+    )
+    ((history, results),) = run_distributed(train_recorded, 1, str(config), [])
     return history, results
 
 

@@ -53,9 +53,16 @@ class SteppedEcho:
             if entry[1] == 0:
                 r, _, version = self._running.pop(rid)
                 response = echo_response(r.prompt_ids, r.sampling.max_new_tokens, r.sampling.seed or 0)
-                done.append(GenerationResult(request_id=rid, prompt_ids=r.prompt_ids, response_ids=response,
-                                             logprobs=(-1.0,) * len(response), finish_reason="length",
-                                             weight_version=version))
+                done.append(
+                    GenerationResult(
+                        request_id=rid,
+                        prompt_ids=r.prompt_ids,
+                        response_ids=response,
+                        logprobs=(-1.0,) * len(response),
+                        finish_reason="length",
+                        weight_version=version,
+                    )
+                )
         return done
 
     def has_unfinished(self) -> bool:
@@ -81,8 +88,9 @@ def pool_of(tmp_path):
 
 def check_echoes(results, requests) -> None:
     assert Counter(r.request_id for r in results) == Counter(r.request_id for r in requests)  # each once
-    for r, q in zip(sorted(results, key=lambda r: r.request_id), sorted(requests, key=lambda q: q.request_id),
-                    strict=True):
+    for r, q in zip(
+        sorted(results, key=lambda r: r.request_id), sorted(requests, key=lambda q: q.request_id), strict=True
+    ):
         assert r.response_ids == echo_response(q.prompt_ids, q.sampling.max_new_tokens, q.sampling.seed or 0)
 
 

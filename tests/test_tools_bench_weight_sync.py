@@ -20,8 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_weight_sync_prints_every_path(tmp_path):
     model = make_tiny_hf(tmp_path / "qwen2", "qwen2", layers=2)
     args = ["--model", str(model), "--engines", "hf", "--syncs", "2", "--big", "tiny", "--bucket-mb", "1"]
-    out = subprocess.run([sys.executable, str(ROOT / "tools/bench_weight_sync.py"), *args],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools/bench_weight_sync.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     model_gb = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9

@@ -20,8 +20,24 @@ def test_chaos_runs_lose_nothing_and_resume_equal(tmp_path):
     - stop: SIGTERM after step 2, resume from the last checkpoint;
     - rank-kill: rank 1 of a two-rank torchrun world SIGKILLed after step 2's checkpoint, torchrun
       (--max-restarts 1) restarts the world and trainer.resume_from=auto continues."""
-    out = subprocess.run([sys.executable, "tools/chaos.py", "--steps", "4", "--seed", "1", "--out", str(tmp_path),
-                          "--scenarios", "stop,rank-kill"], cwd=REPO, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "tools/chaos.py",
+            "--steps",
+            "4",
+            "--seed",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--scenarios",
+            "stop,rank-kill",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads(lines[-1])

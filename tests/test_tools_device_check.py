@@ -31,8 +31,15 @@ TOOL = REPO / "tools" / "device_check.py"
 
 def run_tool(*args: str, env_extra: dict | None = None, timeout: int = 300) -> tuple[int, dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env_extra or {})
-    proc = subprocess.run([sys.executable, str(TOOL), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, (proc.stdout[-3000:], proc.stderr[-3000:])
     return proc.returncode, json.loads(lines[0]), proc.stderr
@@ -42,8 +49,18 @@ def run_tool(*args: str, env_extra: dict | None = None, timeout: int = 300) -> t
 def cpu_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("device_check")
     interpret = {"TRITON_INTERPRET": "1"} if importlib.util.find_spec("triton") else {}
-    code, report, stderr = run_tool("--device", "cpu", "--quick", "--skip", ",".join(RL_CHECKS),
-                                    "--workdir", str(tmp / "work"), "--out", str(tmp / "out.json"), env_extra=interpret)
+    code, report, stderr = run_tool(
+        "--device",
+        "cpu",
+        "--quick",
+        "--skip",
+        ",".join(RL_CHECKS),
+        "--workdir",
+        str(tmp / "work"),
+        "--out",
+        str(tmp / "out.json"),
+        env_extra=interpret,
+    )
     assert code == 0, (json.dumps(report)[-4000:], stderr[-2000:])
     assert json.loads((tmp / "out.json").read_text()) == report
     return report
@@ -65,8 +82,17 @@ def test_every_section_is_there_and_passes(cpu_report):
 @pytest.mark.vllm
 def test_environment_reports_versions_and_device(cpu_report):
     env = cpu_report["checks"]["environment"]
-    assert set(env["versions"]) >= {"torch", "torch_npu", "vllm", "vllm_ascend", "apex", "transformer_engine",
-                                    "triton", "megatron_core", "transformers"}
+    assert set(env["versions"]) >= {
+        "torch",
+        "torch_npu",
+        "vllm",
+        "vllm_ascend",
+        "apex",
+        "transformer_engine",
+        "triton",
+        "megatron_core",
+        "transformers",
+    }
     assert env["versions"]["torch"].startswith("2.") and env["versions"]["megatron_core"].startswith("0.16")
     assert env["versions"]["torch_npu"] is None and env["versions"]["apex"] is None
     assert env["device"]["type"] == "cpu" and env["device"]["count"] == 1 and env["device"]["cpu_count"] >= 1
@@ -100,8 +126,14 @@ def test_a_failing_check_does_not_hide_the_next(tmp_path):
 
 
 def test_unknown_check_name_is_refused():
-    proc = subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--skip", "rl_hf,nope"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--device", "cpu", "--skip", "rl_hf,nope"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2 and "unknown check(s) ['nope']" in proc.stderr
 
 
@@ -110,8 +142,16 @@ def emulated_npu_report(tmp_path_factory):
     """The whole check on the emulated device under the 910B's rules, as a user would run it on a
     910B, with one ``--set`` override (rl_vllm and rl_vllm_tp2 skip: no vLLM backend, no devices)."""
     tmp = tmp_path_factory.mktemp("device_check_npu")
-    code, report, stderr = run_tool("--device", "emulated-npu", "--quick", "--workdir", str(tmp / "work"),
-                                    "--set", f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}", timeout=1200)
+    code, report, stderr = run_tool(
+        "--device",
+        "emulated-npu",
+        "--quick",
+        "--workdir",
+        str(tmp / "work"),
+        "--set",
+        f"rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}",
+        timeout=1200,
+    )
     assert code == 0, (json.dumps(report)[-6000:], stderr[-2000:])
     return report
 
@@ -161,16 +201,23 @@ def test_set_takes_dotted_keys_and_refuses_anything_else():
     assert args.overrides == ["parallel.tp=2", "attention.backend=split"]
     opts = CheckOptions(device="npu", quick=False, workdir="/w", overrides=tuple(args.overrides))
     assert CheckOptions.from_json(opts.to_json()) == opts
-    proc = subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--set", "parallel.tp"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--device", "cpu", "--set", "parallel.tp"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2 and "not of the form a.b=value" in proc.stderr
 
 
 def test_rl_model_has_a_head_dim_vllm_ascend_accepts(tmp_path):
     from megatron_rl.devcheck.rl import tiny_model
 
-    cfg = json.loads((tiny_model(CheckOptions(device="cpu", quick=True, workdir=str(tmp_path))) / "config.json")
-                     .read_text())
+    cfg = json.loads(
+        (tiny_model(CheckOptions(device="cpu", quick=True, workdir=str(tmp_path))) / "config.json").read_text()
+    )
     assert cfg["hidden_size"] // cfg["num_attention_heads"] in (64, 128)
     assert cfg["num_attention_heads"] % 2 == 0 and cfg["num_key_value_heads"] % 2 == 0  # TP 2 divides them
 
@@ -189,7 +236,10 @@ def test_device_configs_are_valid_and_place_the_engines(tmp_path, device):
     assert single.model.dtype == "float32" and single.rollout.devices == [f"{device}:0"]
     dist = load_config(dist_config(opts, "rl_dist", "hf", engine_devices="1"), opts.overrides)
     assert (dist.model.dtype, dist.parallel.distributed_optimizer, dist.rollout.weight_sync) == (
-        "bfloat16", True, "broadcast")
+        "bfloat16",
+        True,
+        "broadcast",
+    )
     assert dist.parallel.tp == 2 and dist.rollout.devices == [f"{device}:1"]
     assert dist.pipeline.mode == "sync" and dist.pipeline.micro_batch_tokens == 256  # resumable bit for bit
     tp2 = load_config(dist_config(opts, "rl_vllm_tp2", "vllm", engine_devices="2,3", tp=2))
@@ -203,8 +253,10 @@ def test_two_rank_checks_skip_without_two_devices(tmp_path):
     cuda = CheckOptions(device="cuda", quick=True, workdir=str(tmp_path))
     if torch_cuda_devices() >= 2:
         pytest.skip("this machine has 2 GPUs: the checks would run")
-    assert check_rl_dist(cuda) == {"status": "skip", "reason": f"needs 2 cuda devices (2 training ranks), "
-                                                                f"{torch_cuda_devices()} visible"}
+    assert check_rl_dist(cuda) == {
+        "status": "skip",
+        "reason": f"needs 2 cuda devices (2 training ranks), {torch_cuda_devices()} visible",
+    }
     assert check_resume_dist(cuda)["reason"].startswith("needs rl_dist's checkpoints")
     assert check_rl_vllm_tp2(cuda)["status"] == "skip"
     cpu = CheckOptions(device="cpu", quick=True, workdir=str(tmp_path))
@@ -224,16 +276,19 @@ def test_fp32_master_weights_are_required_of_a_bf16_model_only():
     assert master_weight_reasons({"model_dtypes": ["bfloat16"], "master_dtypes": ["float32"]}) == []
     assert master_weight_reasons({"model_dtypes": ["float32"], "master_dtypes": []}) == []
     assert master_weight_reasons({"model_dtypes": ["bfloat16"], "master_dtypes": []}) == [
-        "optimizer master weights [], expected fp32 copies of the ['bfloat16'] model"]
+        "optimizer master weights [], expected fp32 copies of the ['bfloat16'] model"
+    ]
 
 
 def test_first_rank_error_is_the_cause_not_its_echoes():
     from megatron_rl.devcheck.rl_dist import first_rank_error
 
-    text = ("W1202 launching\n[rank1]: Traceback (most recent call last):\n"
-            "[rank1]: RuntimeError: HCCL AllReduce does not support Double\n"
-            "[rank0]: megatron_rl.parallel.world_timeout.WorldTimeout: rank 1 did not answer\n"
-            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: megatron_rl FAILED\n")
+    text = (
+        "W1202 launching\n[rank1]: Traceback (most recent call last):\n"
+        "[rank1]: RuntimeError: HCCL AllReduce does not support Double\n"
+        "[rank0]: megatron_rl.parallel.world_timeout.WorldTimeout: rank 1 did not answer\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: megatron_rl FAILED\n"
+    )
     assert first_rank_error(text) == "RuntimeError: HCCL AllReduce does not support Double"
     assert first_rank_error("all fine\n") is None
 
@@ -246,7 +301,8 @@ def test_npu_adaptor_missing_says_what_to_install(tmp_path, monkeypatch):
     # installed without CANN: importing torch_npu cannot load CANN's libraries
     (tmp_path / "torch_npu").mkdir()
     (tmp_path / "torch_npu" / "__init__.py").write_text(
-        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
+        "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     problem = npu_adaptor_problem()
     assert "does not import" in problem and "libhccl.so" in problem and "set_env.sh" in problem

@@ -7,6 +7,7 @@ with a forward step written out here. Checked at TP=2 and PP=2 (gloo): log-probs
 three (fp32, <= 1e-5), policy gradients (<= 1e-4 relative), no gradient on old / ref; then
 the skip path (policy only, old = detached policy, no ref) and ``refresh_old``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,9 +29,13 @@ def _micro_batches(vocab: int):
     from megatron_rl.attention.packing import TokenGroup, pack_groups
 
     g = torch.Generator().manual_seed(3)
-    groups = [TokenGroup(prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
-                         response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens))
-              for lp, lens in GROUPS]
+    groups = [
+        TokenGroup(
+            prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
+            response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens),
+        )
+        for lp, lens in GROUPS
+    ]
     mbs = pack_groups(groups, token_budget=TOKEN_BUDGET)
     assert len(mbs) == 2
     weights = [torch.randn(mb.target_ids.numel(), generator=g) for mb in mbs]
@@ -55,8 +60,14 @@ def _separate(model, mbs, weights, vocab, *, forward_only):
     device = next(model.parameters()).device
     mbs, weights = [mb.to(device) for mb in mbs], [w.to(device) for w in weights]
 
-    out = run_schedule(model, list(enumerate(mbs)), forward_step=forward_step, loss=loss,
-                       seq_length=lambda item: item[1].num_tokens, forward_only=forward_only)
+    out = run_schedule(
+        model,
+        list(enumerate(mbs)),
+        forward_step=forward_step,
+        loss=loss,
+        seq_length=lambda item: item[1].num_tokens,
+        forward_only=forward_only,
+    )
     return torch.cat(out) if out else torch.empty(0)
 
 
@@ -71,8 +82,9 @@ def _worker(tp, pp, paths, offload):
     vocab = spec.vocab_size
     mbs, weights = _micro_batches(vocab)
     weights = [w.to(plat.device) for w in weights]
-    plan = plan_trimodel(LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2,
-                         offload_old=offload, offload_ref=offload)
+    plan = plan_trimodel(
+        LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2, offload_old=offload, offload_ref=offload
+    )
     tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, vocab_size=vocab)
 
     def loss(lp, i):  # old / ref enter the loss too: no graph may lead from them to parameters
@@ -83,22 +95,35 @@ def _worker(tp, pp, paths, offload):
     fused = [torch.cat([p[k] for p in fused]) if fused else torch.empty(0) for k in range(3)]
     sep_models = [load(p)[0] for p in paths]
     separate = [_separate(m, mbs, weights, vocab, forward_only=k > 0) for k, m in enumerate(sep_models)]
-    grads = {n: (p.grad.clone(), q.grad.clone())
-             for (n, p), (_, q) in zip(policy.named_parameters(), sep_models[0].named_parameters(), strict=True)}
+    grads = {
+        n: (p.grad.clone(), q.grad.clone())
+        for (n, p), (_, q) in zip(policy.named_parameters(), sep_models[0].named_parameters(), strict=True)
+    }
     frozen_grads = [p.grad for m in (old, ref) for p in m.parameters()]
     memory = tri.memory_report()
 
     # Skip path: policy only (one stream between stages); old is the detached policy, ref is None.
     skip_plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1)
     solo = TriModel(policy=sep_models[0], old=None, ref=None, plan=skip_plan, vocab_size=vocab)
-    skipped = solo.run(mbs, loss=lambda lp, i: (lp.policy.sum(), (lp.policy, lp.old, lp.ref, lp.old_is_policy)),
-                       forward_only=True)
+    skipped = solo.run(
+        mbs, loss=lambda lp, i: (lp.policy.sum(), (lp.policy, lp.old, lp.ref, lp.old_is_policy)), forward_only=True
+    )
     # refresh_old: the old copy now holds the policy's weights.
     assert tri.refresh_old()
     refreshed = tri.run(mbs, loss=lambda lp, i: (lp.policy.sum(), lp.old), forward_only=True)
     refreshed = torch.cat(refreshed) if refreshed else torch.empty(0)
-    return _on_host(dict(fused=fused, separate=separate, grads=grads, frozen_grads=frozen_grads, memory=memory,
-                         skipped=skipped, refreshed=refreshed, old_bytes=sum(p.numel() * 4 for p in old.parameters())))
+    return _on_host(
+        dict(
+            fused=fused,
+            separate=separate,
+            grads=grads,
+            frozen_grads=frozen_grads,
+            memory=memory,
+            skipped=skipped,
+            refreshed=refreshed,
+            old_bytes=sum(p.numel() * 4 for p in old.parameters()),
+        )
+    )
 
 
 def _on_host(value):
@@ -156,12 +181,22 @@ def test_trimodel_equals_three_separate_passes(checkpoints, tp, pp, offload):
         (LossSettings(kl_coef=0.05), 4, Residency.RESIDENT, Residency.RESIDENT),
         (LossSettings(kind="ppo_decoupled", proximal="loglinear"), 4, Residency.SKIPPED, Residency.SKIPPED),
         # a rollout correction compares the engine with θ_t on every mini-batch: A-3PO keeps the old copy for it
-        (LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=RolloutCorrection(mode="token_mask",
-                                                                                                c_max=2.0)),
-         4, Residency.RESIDENT, Residency.SKIPPED),
-        (LossSettings(kind="ppo_decoupled", proximal="loglinear", correction=RolloutCorrection(mode="token_mask",
-                                                                                                c_max=2.0)),
-         1, Residency.SKIPPED, Residency.SKIPPED),
+        (
+            LossSettings(
+                kind="ppo_decoupled", proximal="loglinear", correction=RolloutCorrection(mode="token_mask", c_max=2.0)
+            ),
+            4,
+            Residency.RESIDENT,
+            Residency.SKIPPED,
+        ),
+        (
+            LossSettings(
+                kind="ppo_decoupled", proximal="loglinear", correction=RolloutCorrection(mode="token_mask", c_max=2.0)
+            ),
+            1,
+            Residency.SKIPPED,
+            Residency.SKIPPED,
+        ),
         (LossSettings(kind="ppo_decoupled", proximal="recompute"), 2, Residency.RESIDENT, Residency.SKIPPED),
     ],
 )
@@ -183,8 +218,10 @@ def test_plan_reasons_and_offload_flags():
         plan_trimodel(LossSettings(), optimizer_steps_per_batch=0)
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
 def test_host_offload_bookkeeping(device):
     """Parameters keep identity and values through onload/release; real moves only off the host."""
     torch.manual_seed(0)

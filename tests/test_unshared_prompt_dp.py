@@ -23,15 +23,32 @@ TOL = 1e-5
 
 
 def _sample(k: int, response: tuple[int, ...], reward: float, prompt: tuple[int, ...]) -> Sample:
-    return Sample(prompt_id="p", request_id=f"0/p/{k}", index=k, prompt_ids=prompt, response_ids=response,
-                  behav_logprobs=(-0.5,) * len(response), weight_version=0, finish_reason="stop", reward=reward)
+    return Sample(
+        prompt_id="p",
+        request_id=f"0/p/{k}",
+        index=k,
+        prompt_ids=prompt,
+        response_ids=response,
+        behav_logprobs=(-0.5,) * len(response),
+        weight_version=0,
+        finish_reason="stop",
+        reward=reward,
+    )
 
 
 def _micro_batch(replica: int):
-    g1 = score_group(step=0, prompt_index=0, samples=[_sample(0, (7, 8), 1.0, (1, 2, 3)),
-                                                      _sample(1, (9,), 0.0, (1, 2, 3))], scoring=GroupScoring())
-    g2 = score_group(step=0, prompt_index=1, samples=[_sample(0, (6, 6, 6), 0.0, (2,)),
-                                                      _sample(1, (5,), 1.0, (2,))], scoring=GroupScoring())
+    g1 = score_group(
+        step=0,
+        prompt_index=0,
+        samples=[_sample(0, (7, 8), 1.0, (1, 2, 3)), _sample(1, (9,), 0.0, (1, 2, 3))],
+        scoring=GroupScoring(),
+    )
+    g2 = score_group(
+        step=0,
+        prompt_index=1,
+        samples=[_sample(0, (6, 6, 6), 0.0, (2,)), _sample(1, (5,), 1.0, (2,))],
+        scoring=GroupScoring(),
+    )
     return make_micro_batch([g1, g2], policy_version=0, replica=replica), [g1, g2]
 
 
@@ -53,8 +70,9 @@ def _leader(shared_prompt: bool):
     from megatron_rl.trainer.rl_step import LeaderReplica
 
     rec = _Recorder(shared_prompt)
-    replica = SimpleNamespace(trainer=rec, channel=SimpleNamespace(send=lambda _m: None), dispatch=rec,
-                              probe=None, seconds={"train": 0.0})
+    replica = SimpleNamespace(
+        trainer=rec, channel=SimpleNamespace(send=lambda _m: None), dispatch=rec, probe=None, seconds={"train": 0.0}
+    )
     return LeaderReplica(replica), rec
 
 
@@ -93,16 +111,25 @@ def test_shared_prompt_micro_batches_go_out_unchanged():
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("unshared_dp")
     model = make_tiny_rl_model(tmp / "model")
-    config = tiny_rl_config(tmp, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},
-                            data={"max_prompt_tokens": 128}, rollout={"max_batch_size": 4},
-                            trainer={"steps": 2, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3})
+    config = tiny_rl_config(
+        tmp,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},
+        data={"max_prompt_tokens": 128},
+        rollout={"max_batch_size": 4},
+        trainer={"steps": 2, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3},
+    )
     return tmp, str(config)
 
 
 def _run(tmp, config, name: str, world: int, shared: str) -> dict:
     out = tmp / name
-    overrides = ["pipeline.mode=sync", f"attention.shared_prompt={shared}", "trainer.save_every=1",
-                 f"trainer.save_dir={out}"]
+    overrides = [
+        "pipeline.mode=sync",
+        f"attention.shared_prompt={shared}",
+        "trainer.save_every=1",
+        f"trainer.save_dir={out}",
+    ]
     run_distributed(train_run, world, config, overrides, timeout_s=600)
     return load_weights(out / "step_2" / "model")
 

@@ -83,8 +83,9 @@ def test_setup_extras_pin_each_release():
         for name, version in release.packages:
             pinned = f"{name}=={version}" in extras[release.extra]
             assert pinned != (name in release.from_source), (family, name)
-    assert {"torch==2.10.0", "torch-npu==2.10.0.post4", "vllm-ascend==0.23.0.post1",
-            "transformers==5.5.4"} <= set(extras["npu"])
+    assert {"torch==2.10.0", "torch-npu==2.10.0.post4", "vllm-ascend==0.23.0.post1", "transformers==5.5.4"} <= set(
+        extras["npu"]
+    )
     for extra in ("cpu", "cuda", "npu"):
         (torch_pin,) = [p for p in extras[extra] if p.startswith("torch==")]
         assert tool().compatible(torch_pin.removeprefix("torch"), base["torch"]), extra
@@ -98,8 +99,9 @@ def test_pins_a_source_install_drops_are_set_aside():
     """vLLM built from source for vllm-ascend does not apply its CUDA wheel's torch pin; its other
     pins, and every other package's, are compared with install_requires."""
     reqs = {"vllm": {"torch": "==2.11.0", "transformers": ">=4.56.0"}, "vllm-ascend": {"torch": "==2.10.0"}}
-    meets, unapplied = tool().pin_checks(reqs, {"torch": ">=2.10,<2.15", "transformers": ">=5.5.4,<5.20"},
-                                         RELEASES["vllm-ascend"].unapplied_pins)
+    meets, unapplied = tool().pin_checks(
+        reqs, {"torch": ">=2.10,<2.15", "transformers": ">=5.5.4,<5.20"}, RELEASES["vllm-ascend"].unapplied_pins
+    )
     assert meets == {"vllm: transformers>=4.56.0": True, "vllm-ascend: torch==2.10.0": True}
     assert unapplied == {"vllm: torch": "==2.11.0"}
     assert records()["vllm-ascend"]["unapplied_pins"] == {"vllm: torch": "==2.11.0"}
@@ -145,13 +147,21 @@ class _Enter:
 
 
 def spec(kind: str, routes: bool = False, tp: int = 1):
-    return types.SimpleNamespace(device=types.SimpleNamespace(kind=kind, ids=()), tensor_parallel_size=tp,
-                                 max_batch_size=8, return_routed_experts=routes, backend_kwargs={})
+    return types.SimpleNamespace(
+        device=types.SimpleNamespace(kind=kind, ids=()),
+        tensor_parallel_size=tp,
+        max_batch_size=8,
+        return_routed_experts=routes,
+        backend_kwargs={},
+    )
 
 
 def test_each_device_kind_gets_its_family_and_options():
     assert {k: engine_family(k).family for k in ("cpu", "cuda", "npu")} == {
-        "cpu": "vllm-cpu", "cuda": "vllm", "npu": "vllm-ascend"}
+        "cpu": "vllm-cpu",
+        "cuda": "vllm",
+        "npu": "vllm-ascend",
+    }
     with pytest.raises(ValueError, match="rollout.engine 'hf'"):
         engine_family("emulated")
     cpu = engine_family("cpu").engine_options(spec("cpu"))
@@ -195,7 +205,8 @@ def test_tool_reports_a_release_missing_a_call(tmp_path, capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["missing"] == [call_name(dropped)]
     assert record["requires"] == {"vllm": {"torch": "==2.14.0"}} and record["meets_project"] == {
-        "vllm: torch==2.14.0": True}
+        "vllm: torch==2.14.0": True
+    }
 
 
 def synthetic_source(calls: list[ApiCall]) -> dict[str, str]:
@@ -208,5 +219,7 @@ def synthetic_source(calls: list[ApiCall]) -> dict[str, str]:
             body.append(f"    def {c.member}(self, {''.join(p + '=None, ' for p in c.params)}):\n        pass")
         elif c.kind == "field":
             body.append(f"    {c.member}: int = 0")
-    return {module: "\n\n".join(f"class {name}:\n" + ("\n".join(body) or "    pass") for name, body in owners.items())
-            for module, owners in classes.items()}
+    return {
+        module: "\n\n".join(f"class {name}:\n" + ("\n".join(body) or "    pass") for name, body in owners.items())
+        for module, owners in classes.items()
+    }

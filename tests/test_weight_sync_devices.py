@@ -16,8 +16,11 @@ from megatron_rl.weight_sync.snapshot import read_snapshot
 
 def _tensors(device):
     gen = torch.Generator().manual_seed(0)
-    host = [("a", torch.randn(5, 3, generator=gen)), ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),
-            ("c", torch.randn(300, generator=gen))]
+    host = [
+        ("a", torch.randn(5, 3, generator=gen)),
+        ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),
+        ("c", torch.randn(300, generator=gen)),
+    ]
     return host, [(n, t.to(device)) for n, t in host]
 
 

@@ -29,17 +29,24 @@ def _export(model_dir: str, tp: int, ep: int) -> dict:
     torch.emulated.reset_peak_memory_stats(plat.device)
     got = PolicyWeights(model, spec, model_dir).export()
     peak = torch.emulated.max_memory_allocated(plat.device) - base
-    return {"tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(), "peak": peak,
-            "names": [n for n, _ in got], "reference": list(reference),
-            "equal": all(torch.equal(t.cpu(), reference[n]) for n, t in got),
-            "model_bytes": sum(t.nbytes for t in reference.values()),
-            "largest": max(t.nbytes for t in reference.values())}
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "peak": peak,
+        "names": [n for n, _ in got],
+        "reference": list(reference),
+        "equal": all(torch.equal(t.cpu(), reference[n]) for n, t in got),
+        "model_bytes": sum(t.nbytes for t in reference.values()),
+        "largest": max(t.nbytes for t in reference.values()),
+    }
 
 
 def _check(results: list[dict]) -> None:
     for r in results:
-        print(f"tp {r['tp']} dp {r['dp']}: export peak {r['peak'] / 1e3:.1f} kB of a {r['model_bytes'] / 1e3:.1f} kB "
-              f"stage, {len(r['names'])} tensors kept")
+        print(
+            f"tp {r['tp']} dp {r['dp']}: export peak {r['peak'] / 1e3:.1f} kB of a {r['model_bytes'] / 1e3:.1f} kB "
+            f"stage, {len(r['names'])} tensors kept"
+        )
         if r["tp"] == 0 and r["dp"] == 0:
             assert r["names"] == r["reference"] and r["equal"]
         else:

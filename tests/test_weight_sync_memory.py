@@ -83,8 +83,9 @@ def _weights(count: int, numel: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"model.layers.{i}.weight", torch.randn(numel, generator=gen)) for i in range(count)]
 
 
-def receive_peak(device: torch.device, named: list[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 monkeypatch) -> tuple[int, object]:
+def receive_peak(
+    device: torch.device, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, monkeypatch
+) -> tuple[int, object]:
     """Bytes the broadcast receiver path allocates on ``device`` at its peak, above the model
     (already resident), for one sync of ``named`` into a TP-2 engine; and the engine."""
     model = {n: torch.zeros_like(t, device=device) for n, t in named}
@@ -104,8 +105,10 @@ def test_tp2_receiver_holds_two_buckets_not_the_model(device, monkeypatch):
     named = _weights(count=24, numel=MB // 4)  # 24 tensors of 1 MB: a 24 MB model, 12 buckets
     model_bytes = sum(t.nbytes for _, t in named)
     peak, engine = receive_peak(device, named, BUCKET, monkeypatch)
-    print(f"\nreceiver peak above the model: {peak / MB:.1f} MB (model {model_bytes / MB:.0f} MB, "
-          f"bucket {BUCKET / MB:.0f} MB)")
+    print(
+        f"\nreceiver peak above the model: {peak / MB:.1f} MB (model {model_bytes / MB:.0f} MB, "
+        f"bucket {BUCKET / MB:.0f} MB)"
+    )
     assert peak <= 2 * BUCKET, f"{peak / MB:.1f} MB on the device: more than 2 buckets of {BUCKET / MB:.0f} MB"
     for name, tensor in named:  # the engine's model now holds exactly the sent tensors
         assert torch.equal(engine._engine.llm.model[name].cpu(), tensor), name

@@ -20,8 +20,10 @@ def _greedy(engine, tag: str) -> list[tuple[tuple[int, ...], tuple[float, ...], 
     from tests.rollout_reference import request, run_all
 
     got = run_all(engine, [request(f"{tag}{i}", p, temperature=0.0, max_new=6) for i, p in enumerate(PROMPTS)])
-    return [(got[f"{tag}{i}"].response_ids, got[f"{tag}{i}"].logprobs, got[f"{tag}{i}"].weight_version)
-            for i in range(len(PROMPTS))]
+    return [
+        (got[f"{tag}{i}"].response_ids, got[f"{tag}{i}"].logprobs, got[f"{tag}{i}"].weight_version)
+        for i in range(len(PROMPTS))
+    ]
 
 
 def _perturb(model, seed: int) -> None:
@@ -51,15 +53,37 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
     initialize_parallel(tp=1, pp=2)
     model, spec = load_model_from_hf(hf_dir)
     channel = ReplicaChannel()
-    engine = build_engine(EngineSettings(dtype="float32", engine="hf", model_path=hf_dir, num_engines=2,
-                                         max_batch_size=3, weight_sync="broadcast",
-                                         request_timeout_s=120)) if channel.is_leader else None
+    engine = (
+        build_engine(
+            EngineSettings(
+                dtype="float32",
+                engine="hf",
+                model_path=hf_dir,
+                num_engines=2,
+                max_batch_size=3,
+                weight_sync="broadcast",
+                request_timeout_s=120,
+            )
+        )
+        if channel.is_leader
+        else None
+    )
     trainer = SimpleNamespace(begin_batch=lambda: None)
     common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel, sync_bucket_mb=1)
-    replicas = {mode: Replica(trainer, model, spec, weight_sync=mode, **common)
-                for mode in ("broadcast", "snapshot", "shared_memory")}
-    plan = ((1, "broadcast"), (2, "snapshot"), (3, "shared_memory"), (4, "snapshot"), (5, "shared_memory"),
-            (6, "shared_memory"), (7, "snapshot"), (8, "broadcast"))
+    replicas = {
+        mode: Replica(trainer, model, spec, weight_sync=mode, **common)
+        for mode in ("broadcast", "snapshot", "shared_memory")
+    }
+    plan = (
+        (1, "broadcast"),
+        (2, "snapshot"),
+        (3, "shared_memory"),
+        (4, "snapshot"),
+        (5, "shared_memory"),
+        (6, "shared_memory"),
+        (7, "snapshot"),
+        (8, "broadcast"),
+    )
     try:
         out = {"start": _greedy(engine, "s") if engine else None}
         for version, mode in plan:

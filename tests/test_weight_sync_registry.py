@@ -29,7 +29,9 @@ def test_senders_without_an_engine_move_nothing_but_report_bytes(tmp_path):
     import torch
 
     tensors = [("a", torch.ones(4)), ("b", torch.zeros(2, 3, dtype=torch.bfloat16))]
-    nbytes = {name: build_sender(name, SenderSetup(source=TensorSource(tensors), scratch=tmp_path)).sync(1).nbytes
-              for name in TRANSPORTS}
+    nbytes = {
+        name: build_sender(name, SenderSetup(source=TensorSource(tensors), scratch=tmp_path)).sync(1).nbytes
+        for name in TRANSPORTS
+    }
     assert nbytes["broadcast"] == nbytes["shared_memory"] == 4 * 4 + 6 * 2
     assert nbytes["snapshot"] > 28  # the safetensors file: tensors + header

@@ -27,8 +27,11 @@ def _train_with_a_silent_engine(config: str, overrides: list[str]) -> tuple[str,
 
     start = time.monotonic()
     try:
-        train(load_config(config, overrides), platform=TRAIN_PLATFORM,
-              engine_factory=lambda settings: FakeEngine(block_after=0))
+        train(
+            load_config(config, overrides),
+            platform=TRAIN_PLATFORM,
+            engine_factory=lambda settings: FakeEngine(block_after=0),
+        )
     except WorldTimeout as err:
         return str(err), time.monotonic() - start
     return "no error", time.monotonic() - start
@@ -38,7 +41,8 @@ def test_a_generation_past_the_timeout_names_the_knob_on_every_rank(tmp_path):
     model = make_tiny_rl_model(tmp_path / "model")
     config = tiny_rl_config(tmp_path, model, trainer={"steps": 2, "prompts_per_batch": 2})
     (leader, t0), (follower, t1) = run_distributed(
-        _train_with_a_silent_engine, 2, str(config), [f"parallel.timeout_s={TIMEOUT_S}"], timeout_s=300)
+        _train_with_a_silent_engine, 2, str(config), [f"parallel.timeout_s={TIMEOUT_S}"], timeout_s=300
+    )
     assert "parallel.timeout_s=3 expired" in leader and "for the pipeline's next group" in leader, leader
     assert "rank 1: rank 0 ended the run: parallel.timeout_s=3 expired" in follower, follower
     assert max(t0, t1) < 400 < 600  # set-up (slow on a loaded CI machine) plus the lowered limit, not 600 s / 30 min

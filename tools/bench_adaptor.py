@@ -29,8 +29,15 @@ def _tiny_model():
     from megatron_rl.models import load_model_from_hf
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+        cfg = LlamaConfig(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
         LlamaForCausalLM(cfg).save_pretrained(Path(tmp) / "m")
         return load_model_from_hf(Path(tmp) / "m")
 
@@ -71,9 +78,18 @@ def main(argv=None) -> None:
 
     step()  # warm-up: the proxy caches attributes on first access
     total, adaptor, calls = _profile(step, args.steps)
-    print(json.dumps({"step_s": round(total, 4), "adaptor_s": round(adaptor, 6),
-                      "adaptor_fraction": round(adaptor / total, 6), "adaptor_calls": calls, "tp": 1,
-                      "tokens": ids.numel()}))
+    print(
+        json.dumps(
+            {
+                "step_s": round(total, 4),
+                "adaptor_s": round(adaptor, 6),
+                "adaptor_fraction": round(adaptor / total, 6),
+                "adaptor_calls": calls,
+                "tp": 1,
+                "tokens": ids.numel(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _defaults(args: argparse.Namespace, cuda: bool) -> tuple[Shape, torch.dtype, int, int]:
     big = dict(groups=8, lp=1024, lr=512, k=8, hq=16, hkv=4, d=128, dtype="bfloat16", block=64, repeats=20)
     tiny = dict(groups=2, lp=12, lr=6, k=3, hq=2, hkv=1, d=32, dtype="float32", block=16, repeats=1)
-    pick = {name: getattr(args, name) if getattr(args, name) is not None else value
-            for name, value in (big if cuda else tiny).items()}
+    pick = {
+        name: getattr(args, name) if getattr(args, name) is not None else value
+        for name, value in (big if cuda else tiny).items()
+    }
     shape = Shape(**{f: pick[f] for f in ("groups", "lp", "lr", "k", "hq", "hkv", "d")})
     return shape, getattr(torch, pick["dtype"]), pick["block"], pick["repeats"]
 
@@ -75,8 +77,9 @@ def backends(device: torch.device, block: int) -> dict[str, Attn | str]:
 
     out: dict[str, Attn | str] = {}
     out["triton"] = lambda q, k, v, layout, scale: triton_attention(q, k, v, layout, scale, block=block)
-    out["flex"] = (flex_attention_packed if device.type == "cuda"
-                   else "skipped: CPU FlexAttention is forward-only (torch 2.13)")
+    out["flex"] = (
+        flex_attention_packed if device.type == "cuda" else "skipped: CPU FlexAttention is forward-only (torch 2.13)"
+    )
     return out
 
 
@@ -90,10 +93,17 @@ def main(argv=None) -> dict:
     layout, scale, useful = shape.layout(), 1.0 / math.sqrt(shape.d), shape.useful_flop()
     x = make_inputs(shape, dtype, device, seed=args.seed)
     ref_out, ref_grads = reference(shape, x, scale)
-    report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "interpreted": not cuda,
-                    "dtype": str(dtype).removeprefix("torch."), "shape": asdict(shape),
-                    "tokens": layout.total_tokens, "block": block, "useful_tflop": useful / 1e12,
-                    "backends": {}, "baselines": {}}
+    report: dict = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "interpreted": not cuda,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": asdict(shape),
+        "tokens": layout.total_tokens,
+        "block": block,
+        "useful_tflop": useful / 1e12,
+        "backends": {},
+        "baselines": {},
+    }
     for name, fn in backends(device, block).items():
         if isinstance(fn, str):
             report["backends"][name] = {"status": fn}
@@ -108,8 +118,10 @@ def main(argv=None) -> dict:
     flash = flash_varlen(index, scale)
     if flash is not None and (not cuda or dtype == torch.float32):
         flash = "skipped: flash-attn needs CUDA and bf16 / fp16"
-    for name, fn in (("sdpa_per_sample", per_sample_sdpa(index, scale)),
-                     ("flash_attn_varlen", flash if flash is not None else "skipped: flash-attn is not installed")):
+    for name, fn in (
+        ("sdpa_per_sample", per_sample_sdpa(index, scale)),
+        ("flash_attn_varlen", flash if flash is not None else "skipped: flash-attn is not installed"),
+    ):
         if isinstance(fn, str):
             report["baselines"][name] = {"status": fn}
             continue

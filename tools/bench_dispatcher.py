@@ -87,8 +87,9 @@ class _Prompts:
 
     def next_batch(self) -> list[_Item]:
         self.step += 1
-        return [_Item(_Record(f"s{self.step}p{i}", self.cost_s), tuple(range(3, 3 + self.length)))
-                for i in range(self.n)]
+        return [
+            _Item(_Record(f"s{self.step}p{i}", self.cost_s), tuple(range(3, 3 + self.length))) for i in range(self.n)
+        ]
 
 
 class FakeFleet:
@@ -118,9 +119,17 @@ class FakeFleet:
         out = []
         for r in requests:
             n = max(1, min(a.max_response, int(self.rng.lognormvariate(0, 0.8) * a.median_response)))
-            out.append(GenerationResult(request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=self.ids[:n],
-                                        logprobs=self.lps[:n], finish_reason="stop", weight_version=self.version))
-        lanes = [out[e::self.engines] for e in range(self.engines)]
+            out.append(
+                GenerationResult(
+                    request_id=r.request_id,
+                    prompt_ids=r.prompt_ids,
+                    response_ids=self.ids[:n],
+                    logprobs=self.lps[:n],
+                    finish_reason="stop",
+                    weight_version=self.version,
+                )
+            )
+        lanes = [out[e :: self.engines] for e in range(self.engines)]
         ordered = [x for lane in itertools.zip_longest(*lanes) for x in lane if x is not None]
         self.prepare_cpu_s += time.thread_time() - c0
         self.prepare_wall_s += time.perf_counter() - w0
@@ -196,11 +205,17 @@ def run(args: argparse.Namespace) -> dict:
 
         reward = RewardPool("bench_dispatcher:busy_reward", workers=args.reward_workers, timeout_s=600.0)
     pipe = Pipeline(
-        engine=fleet, prompts=_Prompts(args.prompts, args.prompt_len, args.reward_ms / 1e3), reward_fn=reward,
-        detokenize=lambda ids: "x" * len(ids), controller=FixedController(args.group_size),
-        sampling=SamplingSettings(max_new_tokens=args.max_response), scoring=GroupScoring(),
+        engine=fleet,
+        prompts=_Prompts(args.prompts, args.prompt_len, args.reward_ms / 1e3),
+        reward_fn=reward,
+        detokenize=lambda ids: "x" * len(ids),
+        controller=FixedController(args.group_size),
+        sampling=SamplingSettings(max_new_tokens=args.max_response),
+        scoring=GroupScoring(),
         settings=PipelineSettings(mode="periodic", seed=1, micro_batch_tokens=args.micro_batch_tokens, queue_size=4096),
-        num_steps=args.steps, replicas=args.replicas)
+        num_steps=args.steps,
+        replicas=args.replicas,
+    )
     replicas, cpu, wall, tokens = FakeReplicas(fleet), 0.0, 0.0, 0
     with pipe:
         for _ in range(args.steps):
@@ -214,15 +229,24 @@ def run(args: argparse.Namespace) -> dict:
     bytes_factor, pickle_factor = replicas.samples_factors()
     per_m = 1e6 / max(tokens, 1)
     return {
-        "replicas": args.replicas, "engines": args.engines, "prompts": args.prompts, "group_size": args.group_size,
-        "steps": args.steps, "tokens_per_step": tokens // args.steps, "step_s": wall / args.steps,
-        "groups_per_s": args.prompts * args.steps / wall, "mb_per_s": replicas.shipped_bytes / 1e6 / wall,
-        "rank0_cpu_s_per_step": cpu / args.steps, "rank0_cpu_s_per_1m_tokens": cpu * per_m,
+        "replicas": args.replicas,
+        "engines": args.engines,
+        "prompts": args.prompts,
+        "group_size": args.group_size,
+        "steps": args.steps,
+        "tokens_per_step": tokens // args.steps,
+        "step_s": wall / args.steps,
+        "groups_per_s": args.prompts * args.steps / wall,
+        "mb_per_s": replicas.shipped_bytes / 1e6 / wall,
+        "rank0_cpu_s_per_step": cpu / args.steps,
+        "rank0_cpu_s_per_1m_tokens": cpu * per_m,
         "shipped_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m,
         "with_samples_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m * bytes_factor,
-        "pack_s_per_1m_tokens": pack_s[0] * per_m, "pickle_s_per_1m_tokens": replicas.pickle_s * per_m,
+        "pack_s_per_1m_tokens": pack_s[0] * per_m,
+        "pickle_s_per_1m_tokens": replicas.pickle_s * per_m,
         "with_samples_pickle_s_per_1m_tokens": replicas.pickle_s * per_m * pickle_factor,
-        "reward_ms": args.reward_ms, "reward_workers": args.reward_workers,
+        "reward_ms": args.reward_ms,
+        "reward_workers": args.reward_workers,
     }
 
 
@@ -233,4 +257,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

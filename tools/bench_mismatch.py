@@ -75,7 +75,7 @@ def _trainer_logprobs(model, spec, results, temperature: float):
         ids = torch.tensor([r.prompt_ids + r.response_ids])
         lp = forward_logprobs(model, ids, vocab_size=spec.vocab_size, temperature=temperature or 1.0)
         n = len(r.response_ids)
-        logp[i, :n], mask[i, :n] = lp[0, len(r.prompt_ids) - 1:], 1.0
+        logp[i, :n], mask[i, :n] = lp[0, len(r.prompt_ids) - 1 :], 1.0
     return logp, mask
 
 
@@ -98,11 +98,21 @@ def _requests(args: argparse.Namespace, model_dir: Path) -> list:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-    return [GenerationRequest(
-        request_id=f"{g}/{k}", prompt_ids=tuple(tok.encode(PROMPTS[g % len(PROMPTS)])),
-        sampling=SamplingSettings(temperature=args.temperature, top_p=args.top_p, stop_token_ids=stop,
-                                  max_new_tokens=args.max_new_tokens, seed=args.seed * 1000 + g * 100 + k))
-        for g in range(args.groups) for k in range(args.group_size)]
+    return [
+        GenerationRequest(
+            request_id=f"{g}/{k}",
+            prompt_ids=tuple(tok.encode(PROMPTS[g % len(PROMPTS)])),
+            sampling=SamplingSettings(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                stop_token_ids=stop,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed * 1000 + g * 100 + k,
+            ),
+        )
+        for g in range(args.groups)
+        for k in range(args.group_size)
+    ]
 
 
 def _generate(args: argparse.Namespace, model_dir: Path, work: Path):
@@ -116,8 +126,14 @@ def _generate(args: argparse.Namespace, model_dir: Path, work: Path):
     from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
     # The engine first: its worker processes must not inherit this process's rendezvous variables.
-    engine = build_engine(EngineSettings(engine=args.engine, model_path=str(model_dir), dtype=args.engine_dtype,
-                                         sampling=SamplingConfig(seed=args.seed)))
+    engine = build_engine(
+        EngineSettings(
+            engine=args.engine,
+            model_path=str(model_dir),
+            dtype=args.engine_dtype,
+            sampling=SamplingConfig(seed=args.seed),
+        )
+    )
     try:
         initialize_parallel(tp=1, pp=1, seed=args.seed, platform="cpu")
         model, spec = load_model_from_hf(model_dir, params_dtype=torch.float32)
@@ -149,15 +165,24 @@ def bench(args: argparse.Namespace) -> dict:
     for i, r in enumerate(results):
         behav[i, : len(r.logprobs)] = torch.tensor(r.logprobs)
     trl_default = RolloutCorrection(mode="sequence_mask", c_max=3.0)
-    corr = rollout_correction(trl_default, trainer_logp=logp, behav_logp=behav, logp=logp,
-                              advantages=torch.zeros(len(results)), mask=mask)
+    corr = rollout_correction(
+        trl_default, trainer_logp=logp, behav_logp=behav, logp=logp, advantages=torch.zeros(len(results)), mask=mask
+    )
     destroy_parallel()
     return {
         **corr.metrics.to_log(),
-        "engine": args.engine, "engine_dtype": args.engine_dtype, "trainer_dtype": "float32",
-        "model": "tiny" if args.tiny else str(model_dir), "synced": not args.skip_sync,
-        "weight_version": results[0].weight_version, "tokens": int(mask.sum()), "sequences": len(results),
-        "temperature": args.temperature, "top_p": args.top_p, "perturb": args.perturb, "sync_s": round(sync_s, 3),
+        "engine": args.engine,
+        "engine_dtype": args.engine_dtype,
+        "trainer_dtype": "float32",
+        "model": "tiny" if args.tiny else str(model_dir),
+        "synced": not args.skip_sync,
+        "weight_version": results[0].weight_version,
+        "tokens": int(mask.sum()),
+        "sequences": len(results),
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "perturb": args.perturb,
+        "sync_s": round(sync_s, 3),
     }
 
 

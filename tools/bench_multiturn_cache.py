@@ -44,12 +44,17 @@ def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
     try:
         sampling = replace(sampling_settings(cfg, tokenizer), seed=None)
         rollout = multiturn_rollout(cfg, tokenizer, sampling)
-        starts = [GroupStart(base=f"0/{r.prompt_id}", fields=record_fields(r, instruction=rollout.settings.instruction),
-                             seed=lambda k, t, p=p: 1000 * p + 10 * k + t) for p, r in enumerate(records)]
+        starts = [
+            GroupStart(
+                base=f"0/{r.prompt_id}",
+                fields=record_fields(r, instruction=rollout.settings.instruction),
+                seed=lambda k, t, p=p: 1000 * p + 10 * k + t,
+            )
+            for p, r in enumerate(records)
+        ]
         begin = time.perf_counter()
         recorder = StreamRecorder(engine)
-        trajectories = list(rollout.run(recorder, starts, group, stop=threading.Event(),
-                                        check_version=lambda *_: None))
+        trajectories = list(rollout.run(recorder, starts, group, stop=threading.Event(), check_version=lambda *_: None))
         seconds = time.perf_counter() - begin
     finally:
         engine.shutdown()
@@ -57,10 +62,16 @@ def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
     cached = sum(t.cached_tokens or 0 for t in trajectories)
     later = [r for rid, r in recorder.results.items() if not rid.endswith("/0")]  # turns after the first
     later_rate = sum(r.cached_tokens or 0 for r in later) / max(1, sum(len(r.prompt_ids) for r in later))
-    return {"prefix_cache_hit_rate": round(cached / max(prompt, 1), 4), "later_turns": len(later),
-            "later_turns_hit_rate": round(later_rate, 4), "turn_prompt_tokens": prompt,
-            "prefilled_tokens": prompt - cached, "turns": sum(t.turns for t in trajectories),
-            "trajectories": len(trajectories), "seconds": round(seconds, 2)}
+    return {
+        "prefix_cache_hit_rate": round(cached / max(prompt, 1), 4),
+        "later_turns": len(later),
+        "later_turns_hit_rate": round(later_rate, 4),
+        "turn_prompt_tokens": prompt,
+        "prefilled_tokens": prompt - cached,
+        "turns": sum(t.turns for t in trajectories),
+        "trajectories": len(trajectories),
+        "seconds": round(seconds, 2),
+    }
 
 
 def main() -> None:
@@ -78,9 +89,15 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     records = read_records(cfg.data.source, size=args.prompts, seed=cfg.data.seed, options=cfg.data.options).records
-    figures = {"bench": "multiturn_prefix_cache", "config": args.config, "overrides": args.overrides,
-               "environment": cfg.environment.kind, "prompts": len(records),
-               "group": args.group, "block_size": args.block_size}
+    figures = {
+        "bench": "multiturn_prefix_cache",
+        "config": args.config,
+        "overrides": args.overrides,
+        "environment": cfg.environment.kind,
+        "prompts": len(records),
+        "group": args.group,
+        "block_size": args.block_size,
+    }
     engine = {"kv_cache_memory_bytes": args.kv_mib << 20} | ({"block_size": args.block_size} if args.block_size else {})
     for name, on in (("cache_on", True), ("cache_off", False)):
         figures[name] = run(cfg, tokenizer, records, args.group, {"enable_prefix_caching": on, **engine})

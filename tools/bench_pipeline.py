@@ -68,8 +68,13 @@ def _step_times(args) -> dict[str, list[dict]]:
 
     times: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_char_llama(Path(tmp) / "model", hidden=args.hidden, layers=args.layers,
-                                 heads=args.hidden // 64, kv_heads=args.hidden // 64)
+        model = write_char_llama(
+            Path(tmp) / "model",
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.hidden // 64,
+            kv_heads=args.hidden // 64,
+        )
         for _ in range(args.rounds):
             for mode in ("sync", "periodic"):
                 history = train(config_from_dict(run_config(args, model, mode)), platform="cpu")
@@ -90,15 +95,26 @@ def main(argv=None) -> None:
 
     sync_s, periodic_s = mean("sync", "time/step_s"), mean("periodic", "time/step_s")
     gen_s, train_s = mean("sync", "time/queue_wait_s"), mean("sync", "time/train_s")
-    print(json.dumps({
-        "sync_s": round(sync_s, 3), "periodic_s": round(periodic_s, 3), "gen_s": round(gen_s, 3),
-        "train_s": round(train_s, 3), "weight_sync_s": round(mean("sync", "time/weight_sync_s"), 3),
-        "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
-        "steps_timed": len(times["sync"]), "rounds": args.rounds, "prompts": args.prompts,
-        "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
-        "model": {"hidden": args.hidden, "layers": args.layers},
-        "cores": {"trainer": args.trainer_core, "engine": args.engine_core},
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "sync_s": round(sync_s, 3),
+                "periodic_s": round(periodic_s, 3),
+                "gen_s": round(gen_s, 3),
+                "train_s": round(train_s, 3),
+                "weight_sync_s": round(mean("sync", "time/weight_sync_s"), 3),
+                "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
+                "steps_timed": len(times["sync"]),
+                "rounds": args.rounds,
+                "prompts": args.prompts,
+                "group_size": args.group_size,
+                "max_new_tokens": args.max_new_tokens,
+                "model": {"hidden": args.hidden, "layers": args.layers},
+                "cores": {"trainer": args.trainer_core, "engine": args.engine_core},
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,11 @@ def start_pool(specs):
     from tests.distributed import free_port
 
     port, remote = free_port(), [s for s in specs if s.node]
-    hosts = [threading.Thread(target=serve, args=(remote, ("127.0.0.1", port)), kwargs={"timeout_s": 300},
-                              daemon=True)] if remote else []
+    hosts = (
+        [threading.Thread(target=serve, args=(remote, ("127.0.0.1", port)), kwargs={"timeout_s": 300}, daemon=True)]
+        if remote
+        else []
+    )
     for h in hosts:
         h.start()
     hub = EngineHub("127.0.0.1", port) if remote else None
@@ -65,8 +68,9 @@ def time_layout(specs, tensors, bucket_mb: int, syncs: int) -> float:
 
     pool = start_pool(specs)
     try:
-        sender = build_sender("broadcast", SenderSetup(source=TensorSource(tensors), engine=pool,
-                                                       bucket_bytes=bucket_mb << 20))
+        sender = build_sender(
+            "broadcast", SenderSetup(source=TensorSource(tensors), engine=pool, bucket_bytes=bucket_mb << 20)
+        )
         seconds = []
         for version in range(1, syncs + 1):
             tensors[0][1].add_(1e-3)
@@ -102,14 +106,21 @@ def main(argv=None) -> None:
     def specs_of(nodes, backend=base.backend):
         return [replace(base, index=i, node=n, backend=backend) for i, n in enumerate(nodes)]
 
-    result = {"bucket_mb": args.bucket_mb, "cores": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg()[0],
-              "engine_nodes": {k: len(set(v)) for k, v in LAYOUTS.items()}}
+    result = {
+        "bucket_mb": args.bucket_mb,
+        "cores": len(os.sched_getaffinity(0)),
+        "loadavg_start": os.getloadavg()[0],
+        "engine_nodes": {k: len(set(v)) for k, v in LAYOUTS.items()},
+    }
     demo = sorted(load_file(str(Path(args.model) / "model.safetensors")).items())
     result["demo"] = bench(specs_of, demo, args)
     if args.big != "none":
         sink = "bench_weight_sync:SinkBackend"
-        result["big"] = {"shape": f"qwen2.5-{args.big}", "dtype": "bfloat16",
-                         **bench(lambda nodes: specs_of(nodes, sink), qwen2_tensors(args.big), args)}
+        result["big"] = {
+            "shape": f"qwen2.5-{args.big}",
+            "dtype": "bfloat16",
+            **bench(lambda nodes: specs_of(nodes, sink), qwen2_tensors(args.big), args),
+        }
     result["loadavg_end"] = os.getloadavg()[0]
     print(json.dumps(result), flush=True)
 

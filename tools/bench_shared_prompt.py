@@ -116,15 +116,24 @@ def main(argv=None) -> None:
     median = _median_times(model, {"packed": packed_step, "copies": copies_step}, args.repeats)
     packed_s, copies_s = median["packed"], median["copies"]
     tokens_ratio = copies.numel() / mb.num_tokens
-    print(json.dumps({
-        "lp": args.lp, "lr": args.lr, "k": args.k, "tokens_ratio": round(tokens_ratio, 3),
-        "attn_flops_ratio": round(attention_flops_ratio(args.lp, args.lr, args.k), 3),
-        "time_ratio": round(copies_s / packed_s, 3),
-        "time_ratio_over_tokens_ratio": round(copies_s / packed_s / tokens_ratio, 3),
-        "backend": args.backend, "k_copies_s": round(copies_s, 4), "packed_s": round(packed_s, 4),
-        "threads": torch.get_num_threads(),
-        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
-    }))
+    print(
+        json.dumps(
+            {
+                "lp": args.lp,
+                "lr": args.lr,
+                "k": args.k,
+                "tokens_ratio": round(tokens_ratio, 3),
+                "attn_flops_ratio": round(attention_flops_ratio(args.lp, args.lr, args.k), 3),
+                "time_ratio": round(copies_s / packed_s, 3),
+                "time_ratio_over_tokens_ratio": round(copies_s / packed_s / tokens_ratio, 3),
+                "backend": args.backend,
+                "k_copies_s": round(copies_s, 4),
+                "packed_s": round(packed_s, 4),
+                "threads": torch.get_num_threads(),
+                "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,12 @@ def variants(cores: int) -> list[Variant]:
     return [
         Variant("periodic_vllm_shared-prompt", ("pipeline.mode=periodic", *vllm, *shared), every, cores),
         Variant("sync_vllm_shared-prompt", ("pipeline.mode=sync", *vllm, *shared), every, cores),
-        Variant("periodic_vllm_k-copies", ("pipeline.mode=periodic", "rollout.engine=vllm",
-                                           "attention.shared_prompt=false", *shared), every, cores),
+        Variant(
+            "periodic_vllm_k-copies",
+            ("pipeline.mode=periodic", "rollout.engine=vllm", "attention.shared_prompt=false", *shared),
+            every,
+            cores,
+        ),
         Variant("periodic_hf_shared-prompt", ("pipeline.mode=periodic", "rollout.engine=hf", *shared), every, cores),
         Variant("sync_hf_shared-prompt", ("pipeline.mode=sync", "rollout.engine=hf", *shared), every, cores),
         Variant("periodic_vllm_split-cores", ("pipeline.mode=periodic", "rollout.engine=vllm", *split), "0", 1),
@@ -58,8 +62,20 @@ def variants(cores: int) -> list[Variant]:
 def run_megatron_rl(v: Variant, config: str, steps: int, extra: list[str]) -> dict:
     """Train ``steps`` steps of ``config`` under variant ``v``; its measured figures."""
     log_dir = Path(tempfile.mkdtemp(prefix=f"bench_{v.name}_"))
-    cmd = ["taskset", "-c", v.trainer_cores, PY, "-m", "megatron_rl", "train", config, *v.overrides, *extra,
-           f"trainer.steps={steps}", f"trainer.log_dir={log_dir}"]
+    cmd = [
+        "taskset",
+        "-c",
+        v.trainer_cores,
+        PY,
+        "-m",
+        "megatron_rl",
+        "train",
+        config,
+        *v.overrides,
+        *extra,
+        f"trainer.steps={steps}",
+        f"trainer.log_dir={log_dir}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(v.threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -67,9 +83,15 @@ def run_megatron_rl(v: Variant, config: str, steps: int, extra: list[str]) -> di
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()][1:]
     step_s = [r["time/step_s"] for r in rows]
     tokens = [r["rollout/response_tokens"] for r in rows]
-    return summarize(step_s, tokens, reward=[r["rollout/reward_mean"] for r in rows], phases={
-        k: sum(r.get(f"time/{k}_s", 0.0) for r in rows) / len(rows)
-        for k in ("queue_wait", "generation", "train", "optimizer", "weight_sync", "idle")})
+    return summarize(
+        step_s,
+        tokens,
+        reward=[r["rollout/reward_mean"] for r in rows],
+        phases={
+            k: sum(r.get(f"time/{k}_s", 0.0) for r in rows) / len(rows)
+            for k in ("queue_wait", "generation", "train", "optimizer", "weight_sync", "idle")
+        },
+    )
 
 
 def run_trl(config: str, steps: int, extra: list[str], threads: int) -> dict:
@@ -88,8 +110,12 @@ def summarize(step_s: list[float], tokens: list[float], **more) -> dict:
     """Completion tokens/s over the measured steps, mean s/step, and whatever else is given."""
     if not step_s:
         return {"error": "no measured steps (raise --steps)"}
-    return {"completion_tokens_per_s": sum(tokens) / sum(step_s), "s_per_step": sum(step_s) / len(step_s),
-            "measured_steps": len(step_s), **more}
+    return {
+        "completion_tokens_per_s": sum(tokens) / sum(step_s),
+        "s_per_step": sum(step_s) / len(step_s),
+        "measured_steps": len(step_s),
+        **more,
+    }
 
 
 def main(argv=None) -> int:
@@ -102,8 +128,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = Path(yaml.safe_load(Path(args.config).read_text())["model"]["hf_path"])
     if not (REPO / model / "config.json").exists() and not (model / "config.json").exists():
-        p.error(f"{args.config}: model.hf_path {model} holds no checkpoint; for the demo run `make demo` or "
-                f"`python tools/prepare_model.py --out {model} --dtype float32` first")
+        p.error(
+            f"{args.config}: model.hf_path {model} holds no checkpoint; for the demo run `make demo` or "
+            f"`python tools/prepare_model.py --out {model} --dtype float32` first"
+        )
     chosen = set(filter(None, args.only.split(",")))
     results: dict[str, dict] = {}
     for v in variants(args.cores):
@@ -119,10 +147,17 @@ def main(argv=None) -> int:
             r["ratio_to_trl"] = r["completion_tokens_per_s"] / trl
     print(f"{'run':32s} {'compl tok/s':>12s} {'s/step':>8s} {'ratio':>6s}", file=sys.stderr)
     for name, r in results.items():
-        print(f"{name:32s} {r.get('completion_tokens_per_s', float('nan')):12.1f} "
-              f"{r.get('s_per_step', float('nan')):8.1f} {r.get('ratio_to_trl', float('nan')):6.2f}", file=sys.stderr)
-    print(json.dumps({"bench": "throughput", "config": args.config, "steps": args.steps, "cores": args.cores,
-                      "runs": results}), flush=True)
+        print(
+            f"{name:32s} {r.get('completion_tokens_per_s', float('nan')):12.1f} "
+            f"{r.get('s_per_step', float('nan')):8.1f} {r.get('ratio_to_trl', float('nan')):6.2f}",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {"bench": "throughput", "config": args.config, "steps": args.steps, "cores": args.cores, "runs": results}
+        ),
+        flush=True,
+    )
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -195,9 +195,16 @@ def worker(args: argparse.Namespace) -> int:
     times = _median_times(steps, args.repeats, policy)
     if dist.get_rank() == 0:
         out = {**times, "ratio": times["fused_s"] / times["separate_s"]}
-        out.update(tp=args.tp, pp=args.pp, micro_batches=len(mbs), tokens=sum(mb.num_tokens for mb in mbs),
-                   response_tokens=sum(mb.target_ids.numel() for mb in mbs), repeats=args.repeats,
-                   model=args.model or f"random qwen3 {args.layers}x{args.hidden}", threads=torch.get_num_threads())
+        out.update(
+            tp=args.tp,
+            pp=args.pp,
+            micro_batches=len(mbs),
+            tokens=sum(mb.num_tokens for mb in mbs),
+            response_tokens=sum(mb.target_ids.numel() for mb in mbs),
+            repeats=args.repeats,
+            model=args.model or f"random qwen3 {args.layers}x{args.hidden}",
+            threads=torch.get_num_threads(),
+        )
         print(json.dumps(out), flush=True)
     dist.barrier()
     return 0

@@ -59,11 +59,18 @@ def qwen2_tensors(shape: str) -> list[tuple[str, torch.Tensor]]:
     h, ffn, layers, heads, kv, vocab, tied = SHAPES[shape]
     kv_dim = h // heads * kv
     per_layer = {
-        "self_attn.q_proj.weight": (h, h), "self_attn.q_proj.bias": (h,),
-        "self_attn.k_proj.weight": (kv_dim, h), "self_attn.k_proj.bias": (kv_dim,),
-        "self_attn.v_proj.weight": (kv_dim, h), "self_attn.v_proj.bias": (kv_dim,),
-        "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h),
-        "mlp.down_proj.weight": (h, ffn), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (h, h),
+        "self_attn.q_proj.bias": (h,),
+        "self_attn.k_proj.weight": (kv_dim, h),
+        "self_attn.k_proj.bias": (kv_dim,),
+        "self_attn.v_proj.weight": (kv_dim, h),
+        "self_attn.v_proj.bias": (kv_dim,),
+        "self_attn.o_proj.weight": (h, h),
+        "mlp.gate_proj.weight": (ffn, h),
+        "mlp.up_proj.weight": (ffn, h),
+        "mlp.down_proj.weight": (h, ffn),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
     }
     shapes = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(layers):
@@ -105,15 +112,18 @@ class SinkBackend:
 def _settings(engine: str, model_path: str, **extra):
     from megatron_rl.rollout import EngineSettings
 
-    return EngineSettings(engine=engine, model_path=model_path, dtype="float32", num_engines=1, max_batch_size=4,
-                          **extra)
+    return EngineSettings(
+        engine=engine, model_path=model_path, dtype="float32", num_engines=1, max_batch_size=4, **extra
+    )
 
 
 def _sender(engine, transport: str, tensors, scratch: Path, bucket_mb: int):
     from megatron_rl.weight_sync import SenderSetup, TensorSource, build_sender
 
-    return build_sender(transport, SenderSetup(source=TensorSource(tensors), engine=engine, scratch=scratch,
-                                               bucket_bytes=bucket_mb << 20))
+    return build_sender(
+        transport,
+        SenderSetup(source=TensorSource(tensors), engine=engine, scratch=scratch, bucket_bytes=bucket_mb << 20),
+    )
 
 
 def cpu_seconds(pids) -> float:
@@ -154,14 +164,23 @@ def bench_demo(args, engine_name: str) -> dict:
     engine = build_engine(_settings(engine_name, args.model))  # one pool takes every transport
     try:
         with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
-            timings_of = {sync: time_syncs(engine, tensors, _sender(engine, sync, tensors, Path(root), args.bucket_mb),
-                                           args.syncs) for sync in TRANSPORTS}
+            timings_of = {
+                sync: time_syncs(
+                    engine, tensors, _sender(engine, sync, tensors, Path(root), args.bucket_mb), args.syncs
+                )
+                for sync in TRANSPORTS
+            }
     finally:
         engine.shutdown()
     for sync, timings in timings_of.items():
         s, cpu = statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)
-        out[sync] = {"s": round(s, 4), "gb_per_s": round(gb / s, 3), "cpu_s": round(cpu, 4), "gb": round(gb, 3),
-                     "best_s": round(min(t[0] for t in timings), 4)}
+        out[sync] = {
+            "s": round(s, 4),
+            "gb_per_s": round(gb / s, 3),
+            "cpu_s": round(cpu, 4),
+            "gb": round(gb, 3),
+            "best_s": round(min(t[0] for t in timings), 4),
+        }
     return out
 
 
@@ -185,15 +204,25 @@ def bench_big(args) -> dict:
         pool.shutdown()
     s = min(seconds)
     shape = args.big if args.big == "tiny" else f"qwen2.5-{args.big}"
-    return {"shape": shape, "dtype": "bfloat16", "gb": round(gb, 2), "s": round(s, 3),
-            "gb_per_s": round(gb / s, 3), "all_s": [round(x, 3) for x in seconds]}
+    return {
+        "shape": shape,
+        "dtype": "bfloat16",
+        "gb": round(gb, 2),
+        "s": round(s, 3),
+        "gb_per_s": round(gb / s, 3),
+        "all_s": [round(x, 3) for x in seconds],
+    }
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # SinkBackend, importable by the worker
-    result = {"bucket_mb": args.bucket_mb, "cores": len(os.sched_getaffinity(0)), "demo": {},
-              "loadavg_start": os.getloadavg()[0]}
+    result = {
+        "bucket_mb": args.bucket_mb,
+        "cores": len(os.sched_getaffinity(0)),
+        "demo": {},
+        "loadavg_start": os.getloadavg()[0],
+    }
     for engine in filter(None, args.engines.split(",")):
         if engine == "vllm" and importlib.util.find_spec("vllm") is None:
             result["demo"][engine] = "not installed"

@@ -89,8 +89,11 @@ def _train(config: str, overrides: list[str], seed: int, answers_file: str) -> N
     from megatron_rl.rollout import build_engine
     from megatron_rl.trainer.loop import train
 
-    train(load_config(config, overrides), platform="cpu",
-          engine_factory=lambda s: ChaosEngine(build_engine(s), seed, Path(answers_file)))
+    train(
+        load_config(config, overrides),
+        platform="cpu",
+        engine_factory=lambda s: ChaosEngine(build_engine(s), seed, Path(answers_file)),
+    )
 
 
 def _rank_worker(argv: list[str]) -> None:
@@ -103,10 +106,28 @@ def _rank_worker(argv: list[str]) -> None:
 
 def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
     """Run the rank-kill scenario (module doc) into ``out``; its figures."""
-    overrides = [f"trainer.save_dir={out}", f"trainer.log_dir={out}/logs", "trainer.save_every=1",
-                 "trainer.resume_from=auto"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "1", str(Path(__file__)), "--rank-worker", config, str(seed), str(out), *overrides]
+    overrides = [
+        f"trainer.save_dir={out}",
+        f"trainer.log_dir={out}/logs",
+        "trainer.save_every=1",
+        "trainer.resume_from=auto",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(Path(__file__)),
+        "--rank-worker",
+        config,
+        str(seed),
+        str(out),
+        *overrides,
+    ]
     out.mkdir(parents=True, exist_ok=True)
     with (out / "torchrun.log").open("w") as log:  # both attempts' output, for a post-mortem
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -119,16 +140,23 @@ def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
     code = proc.wait()
     firsts = [min(int(r.split("/")[0]) for r in f.read_text().split()) for f in sorted(out.glob("answers_c1.txt"))]
     resumed_at = firsts[0] if firsts else steps
-    counts = [_answer_counts(out / "answers_c0.txt", range(resumed_at)),
-              _answer_counts(out / "answers_c1.txt", range(resumed_at, steps))]
+    counts = [
+        _answer_counts(out / "answers_c0.txt", range(resumed_at)),
+        _answer_counts(out / "answers_c1.txt", range(resumed_at, steps)),
+    ]
     rows = {}
     for line in (out / "logs" / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         rows[row["step"]] = row  # a step logged before the kill and again after the restart: the last counts
-    return {"rank_kill_exit": code, "rank_kill_killed": killed, "rank_kill_resumed_at": resumed_at,
-            "rank_kill_duplicates": sum(d for d, _ in counts), "rank_kill_lost": sum(n for _, n in counts),
-            "rank_kill_samples_trained": int(sum(r["train/responses"] for r in rows.values())),
-            "rank_kill_steps_logged": len(rows)}
+    return {
+        "rank_kill_exit": code,
+        "rank_kill_killed": killed,
+        "rank_kill_resumed_at": resumed_at,
+        "rank_kill_duplicates": sum(d for d, _ in counts),
+        "rank_kill_lost": sum(n for _, n in counts),
+        "rank_kill_samples_trained": int(sum(r["train/responses"] for r in rows.values())),
+        "rank_kill_steps_logged": len(rows),
+    }
 
 
 def _spawn(config, overrides, seed, answers, sigterm_after_steps: int | None = None, log_dir=None) -> int:
@@ -156,12 +184,23 @@ def _write_config(tmp: Path, steps: int) -> Path:
     cfg = {
         "model": {"hf_path": str(model), "dtype": "float32"},
         "attention": {"backend": "split"},
-        "rollout": {"engine": "hf", "num_engines": 2, "max_batch_size": 4, "request_timeout_s": 5.0,
-                    "max_restarts": 4, "sampling": {"max_new_tokens": 8, "seed": 3}},
+        "rollout": {
+            "engine": "hf",
+            "num_engines": 2,
+            "max_batch_size": 4,
+            "request_timeout_s": 5.0,
+            "max_restarts": 4,
+            "sampling": {"max_new_tokens": 8, "seed": 3},
+        },
         "pipeline": {"mode": "periodic", "micro_batch_tokens": 256},
         "control": {"kind": "fixed", "group_size": GROUP},
-        "data": {"source": "reasoning_gym:basic_arithmetic", "size": 32, "seed": 1, "chat_template": False,
-                 "max_prompt_tokens": 200},
+        "data": {
+            "source": "reasoning_gym:basic_arithmetic",
+            "size": 32,
+            "seed": 1,
+            "chat_template": False,
+            "max_prompt_tokens": 200,
+        },
         "reward": {"fn": "chaos:flaky_reward"},
         "trainer": {"steps": steps, "prompts_per_batch": PROMPTS, "lr": 1e-2, "adam_eps": 1e-3, "seed": 5},
     }
@@ -203,22 +242,39 @@ def run(steps: int, seed: int, tmp: Path, scenarios: tuple[str, ...] = ("stop", 
 def _stop_and_resume(config: str, seed: int, tmp: Path, steps: int, a: Path) -> dict:
     """The SIGTERM-and-resume scenario against the uninterrupted run ``a``; its figures."""
     b = tmp / "stopped"
-    _spawn(config, [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs"], seed, tmp / "answers_b1.txt",
-           sigterm_after_steps=2, log_dir=b / "logs")
+    _spawn(
+        config,
+        [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs"],
+        seed,
+        tmp / "answers_b1.txt",
+        sigterm_after_steps=2,
+        log_dir=b / "logs",
+    )
     stopped_at = max(int(p.name.split("_")[1]) for p in b.glob("step_*"))
-    _spawn(config, [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs", f"trainer.resume_from={b}/step_{stopped_at}"],
-           seed, tmp / "answers_b2.txt")
-    segments = {"answers_a.txt": range(steps), "answers_b1.txt": range(stopped_at),
-                "answers_b2.txt": range(stopped_at, steps)}
+    _spawn(
+        config,
+        [f"trainer.save_dir={b}", f"trainer.log_dir={b}/logs", f"trainer.resume_from={b}/step_{stopped_at}"],
+        seed,
+        tmp / "answers_b2.txt",
+    )
+    segments = {
+        "answers_a.txt": range(steps),
+        "answers_b1.txt": range(stopped_at),
+        "answers_b2.txt": range(stopped_at, steps),
+    }
     counts = [_answer_counts(tmp / name, rng) for name, rng in segments.items()]
     logged = [_trained(a / "logs"), _trained(b / "logs")]
     wa, wb = _weights(a / f"step_{steps}" / "model"), _weights(b / f"step_{steps}" / "model")
     gap = max(((wa[k] - wb[k]).abs().max() / wa[k].abs().max()).item() for k in wa)
     return {
         "samples_expected": 2 * steps * PROMPTS * GROUP,
-        "samples_trained": sum(n for _, n in logged), "duplicates": sum(d for d, _ in counts),
-        "lost": sum(n for _, n in counts), "resumed_equal": gap <= RESUME_RTOL, "resumed_max_rel_diff": gap,
-        "stopped_at_step": stopped_at, "steps_logged": [n for n, _ in logged],
+        "samples_trained": sum(n for _, n in logged),
+        "duplicates": sum(d for d, _ in counts),
+        "lost": sum(n for _, n in counts),
+        "resumed_equal": gap <= RESUME_RTOL,
+        "resumed_max_rel_diff": gap,
+        "stopped_at_step": stopped_at,
+        "steps_logged": [n for n, _ in logged],
     }
 
 
@@ -248,12 +304,21 @@ def _passed(report: dict) -> bool:
     """Nothing lost or duplicated, every sample trained, resumed weights equal, per scenario run."""
     ok = True
     if "stop" in report["scenarios"]:
-        ok &= (report["lost"] == 0 and report["duplicates"] == 0 and report["resumed_equal"]
-               and report["samples_trained"] == report["samples_expected"])
+        ok &= (
+            report["lost"] == 0
+            and report["duplicates"] == 0
+            and report["resumed_equal"]
+            and report["samples_trained"] == report["samples_expected"]
+        )
     if "rank-kill" in report["scenarios"]:
-        ok &= (report["rank_kill_killed"] and report["rank_kill_exit"] == 0 and report["rank_kill_lost"] == 0
-               and report["rank_kill_duplicates"] == 0 and report["rank_kill_resumed_equal"]
-               and report["rank_kill_samples_trained"] == report["steps"] * PROMPTS * GROUP)
+        ok &= (
+            report["rank_kill_killed"]
+            and report["rank_kill_exit"] == 0
+            and report["rank_kill_lost"] == 0
+            and report["rank_kill_duplicates"] == 0
+            and report["rank_kill_resumed_equal"]
+            and report["rank_kill_samples_trained"] == report["steps"] * PROMPTS * GROUP
+        )
     return bool(ok)
 
 

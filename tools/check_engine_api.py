@@ -49,8 +49,10 @@ def download(requirement: str, dest: Path, python: str) -> Path:
     if done.returncode != 0:
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"pip download {requirement} failed (an sdist's metadata step may need "
-                         f"setuptools_scm: --pip-python PYTHON_WITH_IT, or --from FILE):\n{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"pip download {requirement} failed (an sdist's metadata step may need "
+            f"setuptools_scm: --pip-python PYTHON_WITH_IT, or --from FILE):\n{done.stderr[-2000:]}"
+        )
     (saved,) = set(dest.iterdir()) - before
     return saved
 
@@ -87,8 +89,11 @@ def requires(meta: str) -> dict[str, str]:
 
 def project_requirements() -> tuple[dict[str, str], dict[str, list[str]]]:
     """setup.py's install_requires (as ``{name: specifier}``) and extras, read with ``ast``."""
-    call = next(n for n in ast.walk(ast.parse((REPO / "setup.py").read_text()))
-                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    call = next(
+        n
+        for n in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"
+    )
     kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
     base = {}
     for req in kw["install_requires"]:
@@ -106,8 +111,9 @@ def compatible(theirs: str, ours: str) -> bool:
     return any(v in a and v in b for v in candidates) or not (theirs and ours)
 
 
-def pin_checks(reqs: dict[str, dict[str, str]], base: dict[str, str],
-               unapplied: tuple[tuple[str, str], ...]) -> tuple[dict[str, bool], dict[str, str]]:
+def pin_checks(
+    reqs: dict[str, dict[str, str]], base: dict[str, str], unapplied: tuple[tuple[str, str], ...]
+) -> tuple[dict[str, bool], dict[str, str]]:
     """Whether each applied pin of the release's packages meets ``install_requires`` (``{"pkg:
     dep spec": ok}``), and the pins its install does not apply (``{"pkg: dep": spec}``)."""
     meets, skipped = {}, {}
@@ -134,11 +140,16 @@ def report(family: str, archives: list[Path], work: Path) -> dict:
     tag = re.search(r"ARG VLLM_TAG=v?(\S+)", docker)
     meets, unapplied = pin_checks(reqs, base, release.unapplied_pins)
     return {
-        "family": family, "packages": dict(release.packages), "requires": reqs,
+        "family": family,
+        "packages": dict(release.packages),
+        "requires": reqs,
         "vllm_built_from_tag": tag.group(1) if tag else None,
-        "meets_project": meets, "unapplied_pins": unapplied,
-        "extra": release.extra, "extra_pins": extras.get(release.extra, []),
-        "calls": len(found), "missing": sorted(k for k, ok in found.items() if not ok),
+        "meets_project": meets,
+        "unapplied_pins": unapplied,
+        "extra": release.extra,
+        "extra_pins": extras.get(release.extra, []),
+        "calls": len(found),
+        "missing": sorted(k for k, ok in found.items() if not ok),
         "worker_reload_weights": SourceIndex(roots).has(ApiCall(release.worker_class, "reload_weights")),
     }
 
@@ -147,15 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     """Print the family's record; exit status 1 when a call is missing."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", required=True, choices=sorted(RELEASES))
-    parser.add_argument("--from", dest="files", nargs="*", type=Path, default=None,
-                        help="wheels / sdists already downloaded (default: pip download them)")
-    parser.add_argument("--pip-python", default=sys.executable,
-                        help="the Python whose pip downloads (vllm-ascend's sdist needs setuptools_scm there)")
+    parser.add_argument(
+        "--from",
+        dest="files",
+        nargs="*",
+        type=Path,
+        default=None,
+        help="wheels / sdists already downloaded (default: pip download them)",
+    )
+    parser.add_argument(
+        "--pip-python",
+        default=sys.executable,
+        help="the Python whose pip downloads (vllm-ascend's sdist needs setuptools_scm there)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="engine-api-") as tmp:
         work = Path(tmp)
-        archives = args.files or [download(f"{name}=={version}", work, args.pip_python) for name, version
-                                  in RELEASES[args.family].packages if name in ENGINE_PACKAGES]
+        archives = args.files or [
+            download(f"{name}=={version}", work, args.pip_python)
+            for name, version in RELEASES[args.family].packages
+            if name in ENGINE_PACKAGES
+        ]
         record = report(args.family, [Path(a) for a in archives], work / "src")
     print(json.dumps(record, sort_keys=True))
     return 1 if record["missing"] else 0

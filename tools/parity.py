@@ -69,8 +69,13 @@ def worker(args: argparse.Namespace) -> int:
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=host_world_group())
     status = 0
     if dist.get_rank() == 0:
-        result = {"max_abs_logit_diff": diffs[0].item(), "max_abs_logprob_diff": diffs[1].item(),
-                  "tp": args.tp, "pp": args.pp, "ep": args.ep}
+        result = {
+            "max_abs_logit_diff": diffs[0].item(),
+            "max_abs_logprob_diff": diffs[1].item(),
+            "tp": args.tp,
+            "pp": args.pp,
+            "ep": args.ep,
+        }
         print(json.dumps(result), flush=True)
         status = int(result["max_abs_logit_diff"] > args.tolerance)
     dist.barrier()

@@ -124,10 +124,18 @@ def plot(rows: Rows, out: Path) -> Path:
     _lines(axes[1, 2], rows, ["loss/value", "loss/grad_norm"], "loss and grad norm")
     if multiturn:  # multi-turn runs: a third row (pipeline.multiturn.multiturn_metrics)
         _lines(axes[2, 0], rows, ["multiturn/turns_mean", "multiturn/turns_max"], "turns per trajectory")
-        _lines(axes[2, 1], rows, ["multiturn/tool_calls", "multiturn/tool_errors", "multiturn/env_failures"],
-               "tool calls / errors / environment failures per step")
-        _lines(axes[2, 2], rows, ["multiturn/model_tokens", "multiturn/observation_tokens"],
-               "model vs observation tokens per step")
+        _lines(
+            axes[2, 1],
+            rows,
+            ["multiturn/tool_calls", "multiturn/tool_errors", "multiturn/env_failures"],
+            "tool calls / errors / environment failures per step",
+        )
+        _lines(
+            axes[2, 2],
+            rows,
+            ["multiturn/model_tokens", "multiturn/observation_tokens"],
+            "model vs observation tokens per step",
+        )
         axes[2, 2].twinx().plot(*series(rows, "multiturn/env_s"), "k:", label="env s")
     for ax in axes.flat:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

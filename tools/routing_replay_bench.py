@@ -65,25 +65,55 @@ def sample_groups(engine_dir: Path, args: argparse.Namespace, vocab: int):
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
     from megatron_rl.rollout.worker import WorkerSpec
 
-    spec = WorkerSpec(index=0, backend="hf", model_path=str(engine_dir), device=DeviceAssignment(kind="cpu"),
-                      dtype=args.engine_dtype, return_routed_experts=True)
+    spec = WorkerSpec(
+        index=0,
+        backend="hf",
+        model_path=str(engine_dir),
+        device=DeviceAssignment(kind="cpu"),
+        dtype=args.engine_dtype,
+        return_routed_experts=True,
+    )
     engine = HFBackend(spec)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [tuple(torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()) for _ in range(args.prompts)]
-    requests = [GenerationRequest(request_id=f"0/{p}/{k}", prompt_ids=prompts[p],
-                                  sampling=SamplingSettings(max_new_tokens=args.max_new_tokens, seed=p * 100 + k))
-                for p in range(args.prompts) for k in range(args.group_size)]
+    requests = [
+        GenerationRequest(
+            request_id=f"0/{p}/{k}",
+            prompt_ids=prompts[p],
+            sampling=SamplingSettings(max_new_tokens=args.max_new_tokens, seed=p * 100 + k),
+        )
+        for p in range(args.prompts)
+        for k in range(args.group_size)
+    ]
     results = {r.request_id: r for r in engine.generate(requests, weight_version=0)}
     groups = []
     for p in range(args.prompts):
         samples = [results[f"0/{p}/{k}"] for k in range(args.group_size)]
-        groups.append(ScoredGroup(
-            step=0, prompt_index=p, prompt_id=str(p), kept=True,
-            rewards=torch.zeros(len(samples)), advantages=torch.zeros(len(samples)),
-            samples=tuple(Sample(prompt_id=str(p), request_id=r.request_id, index=k, prompt_ids=r.prompt_ids,
-                                 response_ids=r.response_ids, behav_logprobs=r.logprobs, weight_version=0,
-                                 finish_reason=r.finish_reason, reward=0.0, routed_experts=r.routed_experts)
-                          for k, r in enumerate(samples))))
+        groups.append(
+            ScoredGroup(
+                step=0,
+                prompt_index=p,
+                prompt_id=str(p),
+                kept=True,
+                rewards=torch.zeros(len(samples)),
+                advantages=torch.zeros(len(samples)),
+                samples=tuple(
+                    Sample(
+                        prompt_id=str(p),
+                        request_id=r.request_id,
+                        index=k,
+                        prompt_ids=r.prompt_ids,
+                        response_ids=r.response_ids,
+                        behav_logprobs=r.logprobs,
+                        weight_version=0,
+                        finish_reason=r.finish_reason,
+                        reward=0.0,
+                        routed_experts=r.routed_experts,
+                    )
+                    for k, r in enumerate(samples)
+                ),
+            )
+        )
     return groups
 
 
@@ -144,10 +174,24 @@ def worker(args: argparse.Namespace) -> int:
             engine_dir = perturbed_copy(model, Path(tmp) / f"engine-{noise}", noise, args.seed) if noise else model
             groups = sample_groups(Path(engine_dir), args, spec.vocab_size)
             for replay in (False, True):
-                rows.append({"router_noise": noise, "routing_replay": "rollout" if replay else "none",
-                             **score(policy, groups, spec.vocab_size, replay)})
-    print(json.dumps({"model": args.model or "tiny random Qwen3-MoE (char tokenizer)",
-                      "engine_dtype": args.engine_dtype, "trainer_dtype": "float32", "results": rows}), flush=True)
+                rows.append(
+                    {
+                        "router_noise": noise,
+                        "routing_replay": "rollout" if replay else "none",
+                        **score(policy, groups, spec.vocab_size, replay),
+                    }
+                )
+    print(
+        json.dumps(
+            {
+                "model": args.model or "tiny random Qwen3-MoE (char tokenizer)",
+                "engine_dtype": args.engine_dtype,
+                "trainer_dtype": "float32",
+                "results": rows,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

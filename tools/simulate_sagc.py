@@ -48,8 +48,10 @@ from megatron_rl.control.simulation import CostModel, LengthModel, compare_polic
 from megatron_rl.control.steptime import StepTimeModel
 
 SLACK = 0.05  # synthetic workload: allowed excess of the long-run straggler rate over delta
-DEFAULTS = {"paper": {"steps": wl.ASSUMED_STEPS, "prompts": wl.ASSUMED_PROMPTS_PER_STEP},
-            "synthetic": {"steps": 4000, "prompts": 8}}
+DEFAULTS = {
+    "paper": {"steps": wl.ASSUMED_STEPS, "prompts": wl.ASSUMED_PROMPTS_PER_STEP},
+    "synthetic": {"steps": 4000, "prompts": 8},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,8 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d = SAGCSettings()
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--workload", choices=("paper", "synthetic"), default="paper")
-    p.add_argument("--format", choices=("json", "table"), default="json",
-                   help="one JSON line (default) or a readable table")
+    p.add_argument(
+        "--format", choices=("json", "table"), default="json", help="one JSON line (default) or a readable table"
+    )
     p.add_argument("--steps", type=int, help="training steps per policy (paper 500, synthetic 4000)")
     p.add_argument("--prompts", type=int, help="prompts per step (paper 32, synthetic 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths and of SAGC's sampler")
@@ -67,20 +70,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gamma", type=float, default=d.gamma, help="posterior forgetting factor")
     p.add_argument("--eta", type=float, default=d.eta, help="dual step size")
     p.add_argument("--lambda-max", type=float, default=d.lambda_max, help="clip of lambda")
-    p.add_argument("--pass-rate", type=float, default=wl.ASSUMED_PASS_RATE_MEAN,
-                   help="paper: mean per-prompt pass rate (Beta, concentration 2)")
-    p.add_argument("--decode-iter-s", type=float, default=wl.ASSUMED_DECODE_ITER_S,
-                   help="paper: seconds per decode iteration (before calibration)")
-    p.add_argument("--decode-seq-s", type=float, default=wl.ASSUMED_DECODE_SEQ_S,
-                   help="paper: seconds per running sequence per decode iteration")
-    p.add_argument("--train-token-s", type=float, default=wl.ASSUMED_TRAIN_TOKEN_S,
-                   help="paper: training seconds per token")
-    p.add_argument("--sync-s", type=float, default=wl.ASSUMED_SYNC_S,
-                   help="paper: optimizer step + weight sync seconds")
-    p.add_argument("--no-stragglers", action="store_true",
-                   help="synthetic: remove the runaway tail")
-    p.add_argument("--runs", nargs="+", metavar="DIR",
-                   help="compare real runs' metrics.jsonl over the same number of samples")
+    p.add_argument(
+        "--pass-rate",
+        type=float,
+        default=wl.ASSUMED_PASS_RATE_MEAN,
+        help="paper: mean per-prompt pass rate (Beta, concentration 2)",
+    )
+    p.add_argument(
+        "--decode-iter-s",
+        type=float,
+        default=wl.ASSUMED_DECODE_ITER_S,
+        help="paper: seconds per decode iteration (before calibration)",
+    )
+    p.add_argument(
+        "--decode-seq-s",
+        type=float,
+        default=wl.ASSUMED_DECODE_SEQ_S,
+        help="paper: seconds per running sequence per decode iteration",
+    )
+    p.add_argument(
+        "--train-token-s", type=float, default=wl.ASSUMED_TRAIN_TOKEN_S, help="paper: training seconds per token"
+    )
+    p.add_argument(
+        "--sync-s", type=float, default=wl.ASSUMED_SYNC_S, help="paper: optimizer step + weight sync seconds"
+    )
+    p.add_argument("--no-stragglers", action="store_true", help="synthetic: remove the runaway tail")
+    p.add_argument(
+        "--runs", nargs="+", metavar="DIR", help="compare real runs' metrics.jsonl over the same number of samples"
+    )
     args = p.parse_args(argv)
     for name, value in DEFAULTS[args.workload].items():
         if getattr(args, name) is None:
@@ -95,37 +112,46 @@ def _round(row: dict) -> dict:
 def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
     """The paper workload: both modes, every policy, and the comparison with the paper."""
     work = wl.Workload(
-        steps=args.steps, prompts=args.prompts,
+        steps=args.steps,
+        prompts=args.prompts,
         lengths=wl.ReasoningLengths(ramp_steps=args.steps),
-        step_time=StepTimeModel(decode_iter_s=args.decode_iter_s, decode_seq_s=args.decode_seq_s,
-                                train_token_s=args.train_token_s, sync_s=args.sync_s,
-                                prompt_tokens=wl.ASSUMED_PROMPT_TOKENS),
-        pass_rates=PassRateModel(mean=args.pass_rate,
-                                 concentration=wl.ASSUMED_PASS_RATE_CONCENTRATION))
+        step_time=StepTimeModel(
+            decode_iter_s=args.decode_iter_s,
+            decode_seq_s=args.decode_seq_s,
+            train_token_s=args.train_token_s,
+            sync_s=args.sync_s,
+            prompt_tokens=wl.ASSUMED_PROMPT_TOKENS,
+        ),
+        pass_rates=PassRateModel(mean=args.pass_rate, concentration=wl.ASSUMED_PASS_RATE_CONCENTRATION),
+    )
     results = wl.compare_on_workload(settings, work, seed=args.seed)
     report: dict = {"workload": "paper"}
     for mode, rows in results.items():
         report[mode] = {name: _round(dataclasses.asdict(r)) for name, r in rows.items()}
     g_max = settings.candidates[-1]
-    ratio = {mode: rows["sagc"].wall_clock_h / rows[f"fixed_{g_max}"].wall_clock_h
-             for mode, rows in results.items()}
+    ratio = {mode: rows["sagc"].wall_clock_h / rows[f"fixed_{g_max}"].wall_clock_h for mode, rows in results.items()}
     report["paper"] = {
         "run": "Llama-3.2-3B / DAPO (summary sec. 4)",
         "fixed_16_straggler_rate": wl.PAPER_FIXED_G16_STRAGGLER_RATE,
         "sagc_straggler_rate": wl.PAPER_SAGC_STRAGGLER_RATE,
-        "fixed_16_hours": wl.PAPER_FIXED_G16_HOURS, "sagc_hours": wl.PAPER_SAGC_HOURS,
-        "sagc_over_fixed_16_hours": round(wl.PAPER_SAGC_HOURS / wl.PAPER_FIXED_G16_HOURS, 4)}
-    report["vs_paper"] = _round({
-        "fixed_16_straggler_rate": results["sync"][f"fixed_{g_max}"].straggler_rate,
-        "sagc_straggler_rate": results["sync"]["sagc"].straggler_rate,
-        "sagc_over_fixed_16_hours_sync": ratio["sync"],
-        "sagc_over_fixed_16_hours_periodic": ratio["periodic"],
-        "min_g4_straggler_rate_if_independent":
-            1.0 - (1.0 - wl.PAPER_FIXED_G16_STRAGGLER_RATE) ** (4 / 16)})
+        "fixed_16_hours": wl.PAPER_FIXED_G16_HOURS,
+        "sagc_hours": wl.PAPER_SAGC_HOURS,
+        "sagc_over_fixed_16_hours": round(wl.PAPER_SAGC_HOURS / wl.PAPER_FIXED_G16_HOURS, 4),
+    }
+    report["vs_paper"] = _round(
+        {
+            "fixed_16_straggler_rate": results["sync"][f"fixed_{g_max}"].straggler_rate,
+            "sagc_straggler_rate": results["sync"]["sagc"].straggler_rate,
+            "sagc_over_fixed_16_hours_sync": ratio["sync"],
+            "sagc_over_fixed_16_hours_periodic": ratio["periodic"],
+            "min_g4_straggler_rate_if_independent": 1.0 - (1.0 - wl.PAPER_FIXED_G16_STRAGGLER_RATE) ** (4 / 16),
+        }
+    )
     report["calibrated"] = [  # the calibration holds for the default tau, prompts and lengths
         f"response_sigma {wl.CALIBRATED_RESPONSE_SIGMA}: fixed_16 straggles on the paper's 99.6 % "
         f"of steps at tau 3, {wl.ASSUMED_PROMPTS_PER_STEP} prompts per step",
-        "time unit: fixed_16 sync wall-clock = the paper's 29.50 h"]
+        "time unit: fixed_16 sync wall-clock = the paper's 29.50 h",
+    ]
     report.update(delta=args.delta, tau=args.tau, steps=args.steps, prompts=args.prompts)
     return report
 
@@ -153,23 +179,32 @@ def _read_run(log_dir: Path) -> list[dict]:
     run = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in run]
     if not run or any(b <= a for a, b in itertools.pairwise(steps)):
-        raise ValueError(f"{log_dir}/metrics.jsonl: no rows, or its steps do not increase "
-                         "(several runs in one log_dir?); give each run a fresh trainer.log_dir")
+        raise ValueError(
+            f"{log_dir}/metrics.jsonl: no rows, or its steps do not increase "
+            "(several runs in one log_dir?); give each run a fresh trainer.log_dir"
+        )
     return run
 
 
 def _run_figures(used: list[dict]) -> dict:
     """Straggler rate, mean G, reward (mean, first 5, last 5 steps), samples, response tokens and
     seconds per step over the steps ``used``."""
+
     def mean(key: str, part: list[dict] = used) -> float:
         return sum(r[key] for r in part) / len(part)
 
-    return {"steps": len(used), "samples": int(sum(r["train/responses"] for r in used)),
-            "response_tokens": int(sum(r["rollout/response_tokens"] for r in used)),
-            "straggler_rate": mean("control/straggler"), "mean_g": mean("control/group_size"),
-            "reward_mean": mean("rollout/reward_mean"), "reward_first5": mean("rollout/reward_mean", used[:5]),
-            "reward_last5": mean("rollout/reward_mean", used[-5:]),
-            "step_s": mean("time/step_s"), "generation_s": mean("time/generation_s")}
+    return {
+        "steps": len(used),
+        "samples": int(sum(r["train/responses"] for r in used)),
+        "response_tokens": int(sum(r["rollout/response_tokens"] for r in used)),
+        "straggler_rate": mean("control/straggler"),
+        "mean_g": mean("control/group_size"),
+        "reward_mean": mean("rollout/reward_mean"),
+        "reward_first5": mean("rollout/reward_mean", used[:5]),
+        "reward_last5": mean("rollout/reward_mean", used[-5:]),
+        "step_s": mean("time/step_s"),
+        "generation_s": mean("time/generation_s"),
+    }
 
 
 def run_synthetic(args: argparse.Namespace, settings: SAGCSettings) -> dict:
@@ -177,8 +212,9 @@ def run_synthetic(args: argparse.Namespace, settings: SAGCSettings) -> dict:
     lengths = LengthModel()
     if args.no_stragglers:
         lengths = dataclasses.replace(lengths, tail_prob=0.0)
-    results = compare_policies(settings=settings, steps=args.steps, prompts=args.prompts,
-                               seed=args.seed, lengths=lengths, cost=CostModel())
+    results = compare_policies(
+        settings=settings, steps=args.steps, prompts=args.prompts, seed=args.seed, lengths=lengths, cost=CostModel()
+    )
     sagc, g_max = results["sagc"], settings.candidates[-1]
     checks = {"straggler_within_delta": sagc.straggler_rate <= args.delta + SLACK}
     if args.no_stragglers:
@@ -191,29 +227,39 @@ def run_synthetic(args: argparse.Namespace, settings: SAGCSettings) -> dict:
     return report
 
 
-PAPER_COLUMNS = (("wall_clock_h", "wall h", "{:8.2f}"), ("straggler_rate", "straggler", "{:9.1%}"),
-                 ("mean_g", "mean G", "{:6.2f}"), ("signal_per_h", "signal/h", "{:8.0f}"),
-                 ("informative_groups_per_h", "inf.groups/h", "{:12.0f}"),
-                 ("informative_samples_per_h", "inf.samples/h", "{:13.0f}"),
-                 ("signal_total", "signal total", "{:12.0f}"))
+PAPER_COLUMNS = (
+    ("wall_clock_h", "wall h", "{:8.2f}"),
+    ("straggler_rate", "straggler", "{:9.1%}"),
+    ("mean_g", "mean G", "{:6.2f}"),
+    ("signal_per_h", "signal/h", "{:8.0f}"),
+    ("informative_groups_per_h", "inf.groups/h", "{:12.0f}"),
+    ("informative_samples_per_h", "inf.samples/h", "{:13.0f}"),
+    ("signal_total", "signal total", "{:12.0f}"),
+)
 
 
 def format_table(report: dict) -> str:
     """Readable table of a report (paper: per mode; synthetic: one block)."""
     if report["workload"] == "runs":
         names = [k for k in report if isinstance(report[k], dict)]
-        lines = [f"{'run':32s} {'steps':>5s} {'samples':>7s} {'tokens':>7s} {'straggler':>9s} {'mean G':>6s} "
-                 f"{'reward':>6s} {'first5':>6s} {'last5':>6s} {'step s':>6s} {'gen s':>6s}"]
-        lines += [f"{n[-32:]:32s} {r['steps']:5d} {r['samples']:7d} {r['response_tokens']:7d} "
-                  f"{r['straggler_rate']:9.1%} {r['mean_g']:6.2f} {r['reward_mean']:6.3f} "
-                  f"{r['reward_first5']:6.3f} {r['reward_last5']:6.3f} {r['step_s']:6.1f} {r['generation_s']:6.1f}"
-                  for n, r in ((n, report[n]) for n in names)]
+        lines = [
+            f"{'run':32s} {'steps':>5s} {'samples':>7s} {'tokens':>7s} {'straggler':>9s} {'mean G':>6s} "
+            f"{'reward':>6s} {'first5':>6s} {'last5':>6s} {'step s':>6s} {'gen s':>6s}"
+        ]
+        lines += [
+            f"{n[-32:]:32s} {r['steps']:5d} {r['samples']:7d} {r['response_tokens']:7d} "
+            f"{r['straggler_rate']:9.1%} {r['mean_g']:6.2f} {r['reward_mean']:6.3f} "
+            f"{r['reward_first5']:6.3f} {r['reward_last5']:6.3f} {r['step_s']:6.1f} {r['generation_s']:6.1f}"
+            for n, r in ((n, report[n]) for n in names)
+        ]
         return "\n".join([*lines, f"samples budget: {report['samples_budget']}"])
     if report["workload"] == "synthetic":
         names = [k for k in report if k == "sagc" or k.startswith("fixed_")]
         lines = [f"{'policy':10s} {'wall h':>8s} {'straggler':>9s} {'mean G':>6s}"]
-        lines += [f"{n:10s} {report[n]['wall_clock_h']:8.2f} {report[n]['straggler_rate']:9.1%} "
-                  f"{report[n]['mean_g']:6.2f}" for n in names]
+        lines += [
+            f"{n:10s} {report[n]['wall_clock_h']:8.2f} {report[n]['straggler_rate']:9.1%} {report[n]['mean_g']:6.2f}"
+            for n in names
+        ]
         return "\n".join(lines + [f"checks: {report['checks']}"])
     lines = []
     for mode in ("sync", "periodic"):
@@ -233,7 +279,8 @@ def format_table(report: dict) -> str:
         f"{ours['sagc_over_fixed_16_hours_periodic']:.2f} x periodic, "
         f"{ours['sagc_straggler_rate']:.1%} straggler; fixed 4 cannot straggle on fewer than "
         f"{ours['min_g4_straggler_rate_if_independent']:.1%} of steps if lengths are independent "
-        f"given the prompt"]
+        f"given the prompt",
+    ]
     return "\n".join(lines)
 
 
@@ -245,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             report = compare_runs(args.runs)
             print(json.dumps(report) if args.format == "json" else format_table(report))
             return 0
-        settings = SAGCSettings(delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta,
-                                lambda_max=args.lambda_max, seed=args.seed)
+        settings = SAGCSettings(
+            delta=args.delta, tau=args.tau, gamma=args.gamma, eta=args.eta, lambda_max=args.lambda_max, seed=args.seed
+        )
         run = run_paper if args.workload == "paper" else run_synthetic
         report = run(args, settings)
     except ValueError as err:  # a bad flag value or run: report it like argparse does, no traceback

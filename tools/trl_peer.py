@@ -37,6 +37,7 @@ def build_dataset(cfg):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     prompts, _ = from_config.prompts(cfg, tokenizer)
     records = [p.record for p in prompts]
+
     def prompt(record):  # what megatron_rl tokenizes: the chat, or (no chat template) its one user turn
         chat = [{"role": m.role, "content": m.content} for m in render_chat(record, instruction=d.instruction)]
         return chat if d.chat_template else chat[0]["content"]
@@ -76,32 +77,64 @@ def run(cfg, *, steps: int) -> dict:
     score = reward_fn(cfg)
 
     def reward(completions, idx, **_):
-        return [float(score(records[i], c[-1]["content"] if isinstance(c, list) else c))
-                for c, i in zip(completions, idx, strict=True)]
+        return [
+            float(score(records[i], c[-1]["content"] if isinstance(c, list) else c))
+            for c, i in zip(completions, idx, strict=True)
+        ]
 
     g, prompts, s = cfg.control.group_size, cfg.trainer.prompts_per_batch, cfg.rollout.sampling
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_peer_"), use_cpu=True, bf16=False, fp16=False, report_to="none",
-        per_device_train_batch_size=prompts * g, num_generations=g, gradient_accumulation_steps=1,
-        max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-        learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", warmup_steps=0,
+        output_dir=tempfile.mkdtemp(prefix="trl_peer_"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        per_device_train_batch_size=prompts * g,
+        num_generations=g,
+        gradient_accumulation_steps=1,
+        max_completion_length=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        learning_rate=cfg.trainer.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
         weight_decay=cfg.trainer.weight_decay,
-        adam_beta1=cfg.trainer.adam_beta1, adam_beta2=cfg.trainer.adam_beta2, adam_epsilon=cfg.trainer.adam_eps,
-        max_grad_norm=cfg.trainer.grad_clip, beta=cfg.algorithm.kl.coef, loss_type="grpo",
-        epsilon=cfg.algorithm.clip.low, epsilon_high=cfg.algorithm.clip.high, scale_rewards="group",
-        max_steps=steps, logging_steps=1, save_strategy="no", seed=cfg.trainer.seed, dataloader_num_workers=0,
+        adam_beta1=cfg.trainer.adam_beta1,
+        adam_beta2=cfg.trainer.adam_beta2,
+        adam_epsilon=cfg.trainer.adam_eps,
+        max_grad_norm=cfg.trainer.grad_clip,
+        beta=cfg.algorithm.kl.coef,
+        loss_type="grpo",
+        epsilon=cfg.algorithm.clip.low,
+        epsilon_high=cfg.algorithm.clip.high,
+        scale_rewards="group",
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        seed=cfg.trainer.seed,
+        dataloader_num_workers=0,
         model_init_kwargs={"dtype": getattr(torch, cfg.model.dtype)},
     )
     clock = StepClock()
-    trainer = GRPOTrainer(model=cfg.model.hf_path, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock.callback()])
+    trainer = GRPOTrainer(
+        model=cfg.model.hf_path,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock.callback()],
+    )
     clock.marks = [time.perf_counter()]
     trainer.train()
     step_s = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
     lengths = [log["completions/mean_length"] for log in clock.logs if "completions/mean_length" in log]
     rewards = [log["reward"] for log in clock.logs if "reward" in log]
-    return {"step_s": step_s, "completion_tokens": [m * prompts * g for m in lengths], "reward": rewards,
-            "trl": __import__("trl").__version__}
+    return {
+        "step_s": step_s,
+        "completion_tokens": [m * prompts * g for m in lengths],
+        "reward": rewards,
+        "trl": __import__("trl").__version__,
+    }
 
 
 def main(argv=None) -> int:

@@ -27,9 +27,7 @@ ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)
 
 
 @overload
-def group_advantages(
-    rewards: torch.Tensor, *, scale: AdvantageScale = "group", eps: float = 1e-6
-) -> torch.Tensor: ...
+def group_advantages(rewards: torch.Tensor, *, scale: AdvantageScale = "group", eps: float = 1e-6) -> torch.Tensor: ...
 
 
 @overload
@@ -50,9 +48,7 @@ def group_advantages(rewards, *, scale="group", eps=1e-6):
         raise ValueError(f"eps must be >= 0, got {eps}")
     if isinstance(rewards, torch.Tensor):
         if rewards.dim() != 2 or rewards.numel() == 0:
-            raise ValueError(
-                f"rewards must be a non-empty [n_groups, G] tensor, got shape {tuple(rewards.shape)}"
-            )
+            raise ValueError(f"rewards must be a non-empty [n_groups, G] tensor, got shape {tuple(rewards.shape)}")
         return torch.stack(_ragged_advantages(list(rewards.unbind(0)), scale, eps))
     groups = list(rewards)
     if not groups:
@@ -63,9 +59,7 @@ def group_advantages(rewards, *, scale="group", eps=1e-6):
     return _ragged_advantages(groups, scale, eps)
 
 
-def _ragged_advantages(
-    groups: list[torch.Tensor], scale: AdvantageScale, eps: float
-) -> list[torch.Tensor]:
+def _ragged_advantages(groups: list[torch.Tensor], scale: AdvantageScale, eps: float) -> list[torch.Tensor]:
     groups = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in groups]
     batch_std = _batch_std(groups) if scale == "batch" else None
     out = []

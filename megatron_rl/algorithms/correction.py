@@ -119,6 +119,7 @@ class MismatchMetrics:
 
     def merge(self, other: MismatchMetrics) -> MismatchMetrics:
         """Statistics of the union of both token sets."""
+
         def combine(name: str) -> torch.Tensor:
             a, b = getattr(self, name), getattr(other, name)
             if a is None or b is None:  # n_delta_dropped: δ off on one side counts 0 there
@@ -148,8 +149,11 @@ class MismatchMetrics:
             "nonfinite_behav": float(self.n_nonfinite),
         }
         if weights.numel():
-            out.update(seq_weight_median=float(weights.median()), seq_weight_min=float(weights.min()),
-                       seq_weight_low_fraction=float((weights < self.SEQUENCE_LOW).double().mean()))
+            out.update(
+                seq_weight_median=float(weights.median()),
+                seq_weight_min=float(weights.min()),
+                seq_weight_low_fraction=float((weights < self.SEQUENCE_LOW).double().mean()),
+            )
         return {prefix + k: v for k, v in out.items()} | delta
 
 
@@ -188,8 +192,9 @@ def importance_ratio(delta_t: torch.Tensor, mode: CorrectionMode, mask: torch.Te
     return torch.exp(delta_t)
 
 
-def bound_ratio(ratio: torch.Tensor, mode: CorrectionMode, c_min: float | None,
-                c_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def bound_ratio(
+    ratio: torch.Tensor, mode: CorrectionMode, c_min: float | None, c_max: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(bounded ratio, dropped) of the same shape: truncate clamps, mask zeroes outside [C_min, C_max]."""
     if mode == "none":
         return torch.ones_like(ratio), torch.zeros_like(ratio, dtype=torch.bool)
@@ -201,8 +206,9 @@ def bound_ratio(ratio: torch.Tensor, mode: CorrectionMode, c_min: float | None,
     return ratio.masked_fill(outside, 0.0), outside
 
 
-def off_policy_keep(advantages: torch.Tensor, logp: torch.Tensor, behav_logp: torch.Tensor,
-                    mask: torch.Tensor, delta: float) -> torch.Tensor:
+def off_policy_keep(
+    advantages: torch.Tensor, logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, delta: float
+) -> torch.Tensor:
     """DeepSeek-V3.2 off-policy sequence mask, ``[B]`` bool (True = keep); formula in the module doc.
 
     ``logp [B, L]``: the policy being trained (detached here), ``behav_logp [B, L]``, ``mask [B, L]``,
@@ -239,8 +245,9 @@ def rollout_correction(
         counted = mask.bool()
         measured = counted if measured is None else measured.bool() & counted
         delta_t = log_ratio(trainer_logp, behav_logp, measured)
-        weight, dropped = bound_ratio(importance_ratio(delta_t, settings.mode, measured), settings.mode,
-                                      settings.c_min, settings.c_max)
+        weight, dropped = bound_ratio(
+            importance_ratio(delta_t, settings.mode, measured), settings.mode, settings.c_min, settings.c_max
+        )
         weight = torch.where(measured, weight.expand_as(delta_t), 1.0)
         dropped = dropped.expand_as(delta_t) & measured
         delta_dropped = None
@@ -250,8 +257,7 @@ def rollout_correction(
             delta_dropped = (~keep & counted).sum().float()
         dropped = (dropped | nonfinite_behav(behav_logp, mask)) & counted  # no measurement: out, in every mode
         weight = torch.where(counted & ~dropped, weight, 0.0)
-        metrics = replace(mismatch_metrics(trainer_logp, behav_logp, measured, dropped),
-                          n_delta_dropped=delta_dropped)
+        metrics = replace(mismatch_metrics(trainer_logp, behav_logp, measured, dropped), n_delta_dropped=delta_dropped)
     return Correction(weight=weight, dropped=dropped, metrics=metrics)
 
 
@@ -273,8 +279,9 @@ def k3_of_log_ratio(delta: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mismatch_metrics(trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
-                     dropped: torch.Tensor | None = None) -> MismatchMetrics:
+def mismatch_metrics(
+    trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, dropped: torch.Tensor | None = None
+) -> MismatchMetrics:
     """Mismatch statistics over the counted tokens of ``mask [B, L]`` (``dropped [B, L]`` bool)."""
     counted = mask.bool()
     delta_t = log_ratio(trainer_logp, behav_logp, mask)
@@ -334,14 +341,21 @@ def alarm_verdict(alarm: MismatchAlarm | None, metrics: MismatchMetrics | None) 
     if alarm is None or metrics is None or float(metrics.n_tokens) <= 0:
         return None
     values = metrics.to_log(prefix="")
-    over = [f"mismatch/{name} = {values[name]:.6g} > {limit:.6g}"
-            for name, limit in alarm.thresholds().items()
-            if limit is not None and not values[name] <= limit]  # NaN counts as over
+    over = [
+        f"mismatch/{name} = {values[name]:.6g} > {limit:.6g}"
+        for name, limit in alarm.thresholds().items()
+        if limit is not None and not values[name] <= limit
+    ]  # NaN counts as over
     nonfinite = values["nonfinite_behav"] > 0
     if nonfinite:
         over.append(f"mismatch/nonfinite_behav = {values['nonfinite_behav']:.0f} > 0")
     if not over:
         return None
     causes = (NONFINITE_CAUSES + "; " if nonfinite else "") + LIKELY_CAUSES
-    return ("training–inference mismatch above algorithm.mismatch_alarm: " + "; ".join(over)
-            + ". Likely causes: " + causes + ".")
+    return (
+        "training–inference mismatch above algorithm.mismatch_alarm: "
+        + "; ".join(over)
+        + ". Likely causes: "
+        + causes
+        + "."
+    )

@@ -33,9 +33,7 @@ def dynamic_sampling_keep(rewards: torch.Tensor | Sequence[torch.Tensor]) -> tor
     return torch.tensor(keep, dtype=torch.bool)
 
 
-def overlong_reward_delta(
-    lengths: torch.Tensor, *, max_len: int, buffer: int, penalty: float = 1.0
-) -> torch.Tensor:
+def overlong_reward_delta(lengths: torch.Tensor, *, max_len: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
     """Soft overlong punishment, DAPO eq. 13, scaled by ``penalty``.
 
     ``lengths``: ``[B]`` response lengths in tokens. With L_max = ``max_len`` and

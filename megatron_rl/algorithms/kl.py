@@ -18,9 +18,7 @@ from megatron_rl.config.schema import KLEstimator
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
-def kl_estimate(
-    log_p: torch.Tensor, log_q: torch.Tensor, estimator: KLEstimator = "k3"
-) -> torch.Tensor:
+def kl_estimate(log_p: torch.Tensor, log_q: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Per-token estimate of KL(p ‖ q) from samples of p.
 
     ``log_p``, ``log_q``: ``[...]`` log-probabilities of the sampled tokens under p and q

@@ -91,14 +91,21 @@ class LossSettings:
 
     def __post_init__(self) -> None:
         # the config's own rules on the ``algorithm`` values carried here (flat, under other names)
-        require_values({
-            "algorithm.loss": self.kind, "algorithm.clip.low": self.clip_low, "algorithm.clip.high": self.clip_high,
-            "algorithm.kl.coef": self.kl_coef, "algorithm.kl.estimator": self.kl_estimator,
-            "algorithm.entropy_coef": self.entropy_coef, "algorithm.proximal": self.proximal,
-            "algorithm.behav_weight_cap": self.behav_weight_cap,
-        })
-        raise_found(chain(clip_rule(self.clip_low, self.clip_high),
-                          decoupled_correction_rule(self.kind, self.correction.mode)))
+        require_values(
+            {
+                "algorithm.loss": self.kind,
+                "algorithm.clip.low": self.clip_low,
+                "algorithm.clip.high": self.clip_high,
+                "algorithm.kl.coef": self.kl_coef,
+                "algorithm.kl.estimator": self.kl_estimator,
+                "algorithm.entropy_coef": self.entropy_coef,
+                "algorithm.proximal": self.proximal,
+                "algorithm.behav_weight_cap": self.behav_weight_cap,
+            }
+        )
+        raise_found(
+            chain(clip_rule(self.clip_low, self.clip_high), decoupled_correction_rule(self.kind, self.correction.mode))
+        )
         if self.kind == "dr_grpo" and (self.max_response_len or 0) <= 0:
             raise ValueError(
                 f"kind='dr_grpo' needs max_response_len > 0 (rollout.sampling.max_new_tokens), "
@@ -133,10 +140,19 @@ def loss_denominator(settings: LossSettings, mask: torch.Tensor) -> torch.Tensor
 
 
 def policy_loss(
-    settings: LossSettings, *, logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-    denominator: torch.Tensor | float, old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-    behav_logp: torch.Tensor | None = None, versions: torch.Tensor | None = None,
-    current_version: int | None = None, entropy: torch.Tensor | None = None, compare_engine: bool = True,
+    settings: LossSettings,
+    *,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    denominator: torch.Tensor | float,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    behav_logp: torch.Tensor | None = None,
+    versions: torch.Tensor | None = None,
+    current_version: int | None = None,
+    entropy: torch.Tensor | None = None,
+    compare_engine: bool = True,
 ) -> LossOutput:
     """One micro-batch's clipped policy loss; see the module docstring for the aggregation.
 
@@ -160,8 +176,9 @@ def policy_loss(
     anchor, behav = _anchor_and_behaviour(settings, logp, mask, old_logp, finite_behav, versions, current_version)
     correction = None
     if behav_logp is not None:
-        correction = _engine_correction(settings, logp, old_logp, behav_logp, advantages, mask,
-                                        versions, current_version, compare_engine)
+        correction = _engine_correction(
+            settings, logp, old_logp, behav_logp, advantages, mask, versions, current_version, compare_engine
+        )
     counted = mask.bool()
     loss_tokens = counted if behav is None else behav.kept
     if unusable is not None:
@@ -174,10 +191,17 @@ def policy_loss(
     return LossOutput(loss=loss.to(logp.dtype), metrics=metrics)
 
 
-def _engine_correction(settings: LossSettings, logp: torch.Tensor, old_logp: torch.Tensor | None,
-                       behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                       versions: torch.Tensor | None, current_version: int | None,
-                       compare_engine: bool = True) -> Correction:
+def _engine_correction(
+    settings: LossSettings,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    versions: torch.Tensor | None,
+    current_version: int | None,
+    compare_engine: bool = True,
+) -> Correction:
     """The rollout correction against the engine. Only tokens sampled by the weights the trainer
     holds as old_logp (staleness 0) have a same-weights comparison (the mode's ratio, the
     metrics); stale tokens (stale mode, d >= 1) get δ masking (it needs only π_θ and π_behav)
@@ -186,8 +210,13 @@ def _engine_correction(settings: LossSettings, logp: torch.Tensor, old_logp: tor
     if versions is not None and current_version is not None:
         fresh = fresh & (versions == current_version)
     return rollout_correction(
-        settings.correction, trainer_logp=logp if old_logp is None else old_logp,
-        behav_logp=behav_logp, logp=logp, advantages=advantages, mask=mask, measured=fresh,
+        settings.correction,
+        trainer_logp=logp if old_logp is None else old_logp,
+        behav_logp=behav_logp,
+        logp=logp,
+        advantages=advantages,
+        mask=mask,
+        measured=fresh,
     )
 
 
@@ -199,9 +228,17 @@ class _TokenTerms:
     kl_ref: torch.Tensor | None  # [B, L] KL estimate to the reference, if given
 
 
-def _token_terms(settings: LossSettings, logp: torch.Tensor, anchor: torch.Tensor, counted: torch.Tensor,
-                 advantages: torch.Tensor, behav: BehaviourWeight | None, correction: Correction | None,
-                 ref_logp: torch.Tensor | None, entropy: torch.Tensor | None) -> _TokenTerms:
+def _token_terms(
+    settings: LossSettings,
+    logp: torch.Tensor,
+    anchor: torch.Tensor,
+    counted: torch.Tensor,
+    advantages: torch.Tensor,
+    behav: BehaviourWeight | None,
+    correction: Correction | None,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> _TokenTerms:
     """Clipped surrogate × behaviour weight × correction factor, + KL and entropy terms."""
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
     # Padding gets log-ratio 0 (and ref = logp below): garbage there must not reach an exp,
@@ -223,8 +260,9 @@ def _token_terms(settings: LossSettings, logp: torch.Tensor, anchor: torch.Tenso
     return _TokenTerms(per_token=per_token, ratio=ratio, adv=adv, kl_ref=kl_ref)
 
 
-def _check_shapes(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  *per_token: torch.Tensor | None) -> None:
+def _check_shapes(
+    logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *per_token: torch.Tensor | None
+) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, L], got shape {tuple(logp.shape)}")
     names = ("old_logp", "ref_logp", "behav_logp", "versions", "entropy")
@@ -235,8 +273,12 @@ def _check_shapes(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tens
         raise ValueError(f"advantages must be [B={logp.shape[0]}], got {tuple(advantages.shape)}")
 
 
-def _check_needed(settings: LossSettings, denominator: torch.Tensor | float,
-                  ref_logp: torch.Tensor | None, entropy: torch.Tensor | None) -> None:
+def _check_needed(
+    settings: LossSettings,
+    denominator: torch.Tensor | float,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> None:
     if isinstance(denominator, (int, float)) and denominator <= 0:
         raise ValueError(f"denominator must be > 0, got {denominator}")
     if settings.kl_coef > 0 and ref_logp is None:
@@ -277,8 +319,9 @@ def _correction_factor(settings: LossSettings, correction: Correction) -> torch.
     return correction.weight
 
 
-def _numerator(settings: LossSettings, per_token: torch.Tensor, loss_tokens: torch.Tensor,
-               counted: torch.Tensor) -> torch.Tensor:
+def _numerator(
+    settings: LossSettings, per_token: torch.Tensor, loss_tokens: torch.Tensor, counted: torch.Tensor
+) -> torch.Tensor:
     masked = torch.where(loss_tokens, per_token, torch.zeros_like(per_token))
     if settings.kind == "grpo":  # per-sequence token mean with the sequence's own length
         lengths = counted.sum(dim=-1).clamp(min=1).to(per_token.dtype)
@@ -287,10 +330,17 @@ def _numerator(settings: LossSettings, per_token: torch.Tensor, loss_tokens: tor
 
 
 @torch.no_grad()
-def _metrics(settings: LossSettings, ratio: torch.Tensor, adv: torch.Tensor,
-             anchor: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor,
-             kl_ref: torch.Tensor | None, entropy: torch.Tensor | None,
-             behav: BehaviourWeight | None) -> LossMetrics:
+def _metrics(
+    settings: LossSettings,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    anchor: torch.Tensor,
+    logp: torch.Tensor,
+    tokens: torch.Tensor,
+    kl_ref: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    behav: BehaviourWeight | None,
+) -> LossMetrics:
     def total(x: torch.Tensor) -> torch.Tensor:
         return torch.where(tokens, x, torch.zeros_like(x)).sum().float()
 

@@ -19,8 +19,15 @@ import torch
 from megatron_rl.algorithms.correction import MismatchMetrics
 
 SUM_FIELDS = (
-    "n_tokens", "n_clip_low", "n_clip_high", "ratio_sum", "approx_kl_sum",
-    "kl_ref_sum", "entropy_sum", "behav_weight_sum", "n_capped",
+    "n_tokens",
+    "n_clip_low",
+    "n_clip_high",
+    "ratio_sum",
+    "approx_kl_sum",
+    "kl_ref_sum",
+    "entropy_sum",
+    "behav_weight_sum",
+    "n_capped",
 )
 MAX_FIELDS = ("ratio_max", "behav_weight_max")
 

@@ -24,7 +24,17 @@ from megatron_rl.attention.packing import (
 )
 
 __all__ = [
-    "BACKENDS", "AttentionLayout", "GroupSpan", "PackedGroup", "PackedMicroBatch", "TokenGroup",
-    "k_copies", "pack_group", "pack_groups", "resolve_backend", "shared_prompt_attention",
-    "unpack_logprobs", "unpack_logprobs_padded",
+    "BACKENDS",
+    "AttentionLayout",
+    "GroupSpan",
+    "PackedGroup",
+    "PackedMicroBatch",
+    "TokenGroup",
+    "k_copies",
+    "pack_group",
+    "pack_groups",
+    "resolve_backend",
+    "shared_prompt_attention",
+    "unpack_logprobs",
+    "unpack_logprobs_padded",
 ]

@@ -87,8 +87,9 @@ def shared_prompt_attention(
     ``layout_meta.total_tokens``; returns ``[T, Hq, D]``. ``softmax_scale`` defaults to
     ``1/sqrt(D)``."""
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"expected q [T, Hq, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"expected q [T, Hq, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[0] != layout_meta.total_tokens or k.shape[0] != layout_meta.total_tokens:
         raise ValueError(f"q/k/v have {q.shape[0]}/{k.shape[0]} tokens, the layout has {layout_meta.total_tokens}")
     if q.shape[1] % k.shape[1] != 0:

@@ -6,6 +6,7 @@ plain causal sequences (``[b, s]`` batches, as in generation-free evaluation and
 Only the forward pass reads it: backward uses tensors saved by autograd, so pipeline
 schedules that interleave micro-batches are safe.
 """
+
 from __future__ import annotations
 
 import contextlib

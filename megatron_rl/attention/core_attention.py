@@ -6,6 +6,7 @@ It replaces ``DotProductAttention`` in the local layer spec (see ``models.builde
 attention over each row of a ``[s, b]`` batch. Heads are this TP rank's slice, as megatron
 hands them over; GQA is resolved by the backends.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,19 @@ from megatron_rl.attention.context import current_layout
 class SharedPromptCoreAttention(torch.nn.Module):
     """``core_attention`` for megatron's ``SelfAttention``: [s, b, h, d] q/k/v -> [s, b, h*d]."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, backend: str = "auto"):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        backend: str = "auto",
+    ):
         super().__init__()
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("shared-prompt attention does not implement attention dropout; set it to 0")
@@ -29,8 +41,9 @@ class SharedPromptCoreAttention(torch.nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("shared-prompt attention takes its layout from packed_attention(), not megatron args")
         s, b, heads, dim = query.shape
@@ -40,8 +53,9 @@ class SharedPromptCoreAttention(torch.nn.Module):
         else:
             if b != 1:
                 raise ValueError(f"a packed micro-batch is one row of T tokens; got batch size {b}")
-            out = shared_prompt_attention(query[:, 0], key[:, 0], value[:, 0], layout,
-                                          backend=self.backend, softmax_scale=self.softmax_scale)
+            out = shared_prompt_attention(
+                query[:, 0], key[:, 0], value[:, 0], layout, backend=self.backend, softmax_scale=self.softmax_scale
+            )
             out = out.unsqueeze(1)
         return out.reshape(s, b, heads * dim)
 

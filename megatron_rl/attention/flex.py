@@ -43,7 +43,5 @@ def flex_attention_packed(
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
     block_mask = layout.cached_plan(("flex", q.device), lambda: _block_mask(layout, q.device))
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D]
-    out = _compiled_flex()(
-        qh, kh, vh, block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    out = _compiled_flex()(qh, kh, vh, block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)

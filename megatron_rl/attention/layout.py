@@ -68,15 +68,11 @@ class AttentionLayout:
     _plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_lengths(
-        cls, prompt_lens: Sequence[int], response_lens: Sequence[Sequence[int]]
-    ) -> AttentionLayout:
+    def from_lengths(cls, prompt_lens: Sequence[int], response_lens: Sequence[Sequence[int]]) -> AttentionLayout:
         """Layout of groups packed back to back: group g is ``prompt_lens[g]`` prompt tokens
         followed by responses of ``response_lens[g]`` tokens each."""
         if len(prompt_lens) != len(response_lens):
-            raise ValueError(
-                f"prompt_lens has {len(prompt_lens)} groups but response_lens has {len(response_lens)}"
-            )
+            raise ValueError(f"prompt_lens has {len(prompt_lens)} groups but response_lens has {len(response_lens)}")
         groups, start = [], 0
         for g, (lp, lrs) in enumerate(zip(prompt_lens, response_lens, strict=True)):
             if int(lp) < 1:
@@ -105,8 +101,14 @@ class AttentionLayout:
                 seg_start[r_start : r_start + r_len] = r_start
                 bounds.append(r_start + r_len)
         cu = torch.tensor(bounds, dtype=torch.int32)
-        return cls(groups=groups, total_tokens=total, group_start=group_start,
-                   prefix_end=prefix_end, seg_start=seg_start, cu_seqlens=cu)
+        return cls(
+            groups=groups,
+            total_tokens=total,
+            group_start=group_start,
+            prefix_end=prefix_end,
+            seg_start=seg_start,
+            cu_seqlens=cu,
+        )
 
     @property
     def num_responses(self) -> int:

@@ -119,10 +119,14 @@ def pack_group(group: TokenGroup) -> PackedGroup:
         start += lr
     empty = torch.zeros(0, dtype=torch.int64)
     return PackedGroup(
-        token_ids=torch.cat(tokens), position_ids=torch.cat(positions), segment_ids=torch.cat(segments),
+        token_ids=torch.cat(tokens),
+        position_ids=torch.cat(positions),
+        segment_ids=torch.cat(segments),
         logit_index=torch.cat(logit_index) if logit_index else empty,
         target_ids=torch.cat(responses) if responses else empty,
-        prompt_len=lp, response_lens=tuple(r.numel() for r in responses), routed_experts=_group_routes(group),
+        prompt_len=lp,
+        response_lens=tuple(r.numel() for r in responses),
+        routed_experts=_group_routes(group),
     )
 
 
@@ -202,9 +206,14 @@ def k_copies(groups: Sequence[TokenGroup]) -> list[TokenGroup]:
     Packing the result gives the same response order, so ``unpack_logprobs`` of both layouts
     lines up response by response; used for equivalence tests and benchmarks."""
     return [
-        TokenGroup(prompt_ids=g.prompt_ids, response_ids=(r,), prompt_routes=g.prompt_routes,
-                   response_routes=None if g.response_routes is None else (g.response_routes[i],))
-        for g in groups for i, r in enumerate(g.response_ids)
+        TokenGroup(
+            prompt_ids=g.prompt_ids,
+            response_ids=(r,),
+            prompt_routes=g.prompt_routes,
+            response_routes=None if g.response_routes is None else (g.response_routes[i],),
+        )
+        for g in groups
+        for i, r in enumerate(g.response_ids)
     ]
 
 

@@ -94,8 +94,12 @@ def build_split_plan(layout: AttentionLayout, device: torch.device) -> SplitPlan
     inverse = torch.argsort(torch.cat(positions))
     assert inverse.numel() == layout.total_tokens
     moved = tuple(
-        SplitCall(q_index=c.q_index.to(device), kv_index=c.kv_index.to(device),
-                  mask=None if c.mask is None else c.mask.to(device), rows=c.rows.to(device))
+        SplitCall(
+            q_index=c.q_index.to(device),
+            kv_index=c.kv_index.to(device),
+            mask=None if c.mask is None else c.mask.to(device),
+            rows=c.rows.to(device),
+        )
         for c in calls
     )
     return SplitPlan(calls=moved, inverse=inverse.to(device))

@@ -15,8 +15,13 @@ DEFAULT_BLOCK = 64
 
 
 def triton_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout, softmax_scale: float,
-    *, block: int = DEFAULT_BLOCK,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AttentionLayout,
+    softmax_scale: float,
+    *,
+    block: int = DEFAULT_BLOCK,
 ) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
     # The kernels ship in this distribution as `megatron_rl_kernels` (setup.py maps kernels/ to it):
@@ -28,7 +33,8 @@ def triton_attention(
 
     plan = layout.cached_plan(
         ("triton", q.device, block),
-        lambda: build_block_plan(layout.group_start, layout.prefix_end, layout.seg_start,
-                                 block_m=block, block_n=block, device=q.device),
+        lambda: build_block_plan(
+            layout.group_start, layout.prefix_end, layout.seg_start, block_m=block, block_n=block, device=q.device
+        ),
     )
     return shared_prompt_flash_attention(q, k, v, plan, softmax_scale)

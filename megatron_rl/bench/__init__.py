@@ -14,5 +14,14 @@ from megatron_rl.bench.options import BenchOptions
 from megatron_rl.bench.result import PHASES, BenchResult, StepMeasure
 from megatron_rl.bench.runner import bench_command, run_bench
 
-__all__ = ["PHASES", "BenchOptions", "BenchResult", "GroupShape", "LengthDist", "StepMeasure", "bench_command",
-           "run_bench", "training_flops"]
+__all__ = [
+    "PHASES",
+    "BenchOptions",
+    "BenchResult",
+    "GroupShape",
+    "LengthDist",
+    "StepMeasure",
+    "bench_command",
+    "run_bench",
+    "training_flops",
+]

@@ -123,8 +123,13 @@ def reference(shape: Shape, x: Inputs, scale: float) -> tuple[torch.Tensor, tupl
     for lens in shape.response_lens():
         one = AttentionLayout.from_lengths([shape.lp], [lens])
         sl = slice(start, start + one.total_tokens)
-        out, g = fwd_bwd(lambda *t, lay=one: reference_attention(*t, lay, scale),
-                         x.q[sl].float(), x.k[sl].float(), x.v[sl].float(), x.w[sl])
+        out, g = fwd_bwd(
+            lambda *t, lay=one: reference_attention(*t, lay, scale),
+            x.q[sl].float(),
+            x.k[sl].float(),
+            x.v[sl].float(),
+            x.w[sl],
+        )
         outs.append(out)
         for acc, part in zip(grads, g, strict=True):
             acc.append(part)
@@ -146,6 +151,7 @@ def sample_index(shape: Shape) -> list[torch.Tensor]:
 
 def per_sample_sdpa(index: list[torch.Tensor], scale: float) -> Attn:
     """Causal SDPA on every ``[prompt, r_i]`` separately; output ``[Σ L_i, Hq, D]``."""
+
     def run(q, k, v):
         outs = []
         for idx in index:
@@ -154,6 +160,7 @@ def per_sample_sdpa(index: list[torch.Tensor], scale: float) -> Attn:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
             outs.append(o.squeeze(0).transpose(0, 1))
         return torch.cat(outs)
+
     return run
 
 
@@ -169,8 +176,10 @@ def flash_varlen(index: list[torch.Tensor], scale: float) -> Attn | None:
 
     def run(q, k, v):
         c, f = cu.to(q.device), flat.to(q.device)
-        return flash_attn_varlen_func(q[f], k[f], v[f], c, c, int(lens.max()), int(lens.max()),
-                                      softmax_scale=scale, causal=True)
+        return flash_attn_varlen_func(
+            q[f], k[f], v[f], c, c, int(lens.max()), int(lens.max()), softmax_scale=scale, causal=True
+        )
+
     return run
 
 

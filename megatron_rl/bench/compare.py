@@ -29,8 +29,9 @@ def last_json_line(text: str) -> dict:
     raise RuntimeError(f"bench printed no JSON line; its output ended with:\n{text[-2000:]}")
 
 
-def run_variants(config: str, overrides: Sequence[str], bench_argv: Sequence[str],
-                 variants: Sequence[str]) -> list[VariantResult]:
+def run_variants(
+    config: str, overrides: Sequence[str], bench_argv: Sequence[str], variants: Sequence[str]
+) -> list[VariantResult]:
     """Run ``python -m megatron_rl bench`` once per variant (each a space-separated list of
     ``a.b=c`` overrides, applied after ``overrides``); stderr passes through."""
     records = []
@@ -45,19 +46,30 @@ def run_variants(config: str, overrides: Sequence[str], bench_argv: Sequence[str
             raise RuntimeError(f"variant {variant!r} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}")
         records.append((extra, last_json_line(proc.stdout)))
     base = records[0][1]
-    return [VariantResult(overrides=extra, bench=rec,
-                          ratios={k: rec[k] / base[k] if base[k] else float("nan") for k in RATIO_KEYS})
-            for extra, rec in records]
+    return [
+        VariantResult(
+            overrides=extra, bench=rec, ratios={k: rec[k] / base[k] if base[k] else float("nan") for k in RATIO_KEYS}
+        )
+        for extra, rec in records
+    ]
 
 
 def print_comparison(results: Sequence[VariantResult], *, file=None) -> None:
     """A side-by-side table (rich when installed), then one JSON line with every variant."""
     out = file or sys.stdout
     header = ["variant", "tokens/s/dev", "samples/s", "compl. tok/s", "step s", "MFU", "ratio"]
-    rows = [[" ".join(r.overrides), f"{r.bench['tokens_per_s_per_device']:.1f}", f"{r.bench['samples_per_s']:.2f}",
-             f"{r.bench['completion_tokens_per_s']:.1f}", f"{r.bench['step_s']:.3f}",
-             "n/a" if r.bench["mfu"] is None else f"{100 * r.bench['mfu']:.2f} %",
-             f"{r.ratios['tokens_per_s_per_device']:.3f}"] for r in results]
+    rows = [
+        [
+            " ".join(r.overrides),
+            f"{r.bench['tokens_per_s_per_device']:.1f}",
+            f"{r.bench['samples_per_s']:.2f}",
+            f"{r.bench['completion_tokens_per_s']:.1f}",
+            f"{r.bench['step_s']:.3f}",
+            "n/a" if r.bench["mfu"] is None else f"{100 * r.bench['mfu']:.2f} %",
+            f"{r.ratios['tokens_per_s_per_device']:.3f}",
+        ]
+        for r in results
+    ]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -71,5 +83,10 @@ def print_comparison(results: Sequence[VariantResult], *, file=None) -> None:
         for row in rows:
             table.add_row(*row)
         Console(file=out, width=140).print(table)
-    print(json.dumps({"compare": [{"overrides": list(r.overrides), "ratios": r.ratios, "bench": r.bench}
-                                  for r in results]}), file=out, flush=True)
+    print(
+        json.dumps(
+            {"compare": [{"overrides": list(r.overrides), "ratios": r.ratios, "bench": r.bench} for r in results]}
+        ),
+        file=out,
+        flush=True,
+    )

@@ -45,8 +45,11 @@ class ShapeRecorder(EngineWrapper):
 
     def groups(self, step: int) -> tuple[GroupShape, ...]:
         """The groups generated for ``step``, in the order they were first seen."""
-        return tuple(GroupShape(prompt_len=self.prompt_len[key], response_lens=tuple(lens))
-                     for key, lens in self.response_lens.items() if key[0] == step)
+        return tuple(
+            GroupShape(prompt_len=self.prompt_len[key], response_lens=tuple(lens))
+            for key, lens in self.response_lens.items()
+            if key[0] == step
+        )
 
 
 def recording_engines() -> tuple[list[ShapeRecorder], Callable]:
@@ -63,14 +66,25 @@ def recording_engines() -> tuple[list[ShapeRecorder], Callable]:
     return recorders, factory
 
 
-def measures(history: list[dict], recorder: ShapeRecorder, warmup: int, *,
-             flops: Callable[[tuple[GroupShape, ...]], float] | None = None) -> list[StepMeasure]:
+def measures(
+    history: list[dict],
+    recorder: ShapeRecorder,
+    warmup: int,
+    *,
+    flops: Callable[[tuple[GroupShape, ...]], float] | None = None,
+) -> list[StepMeasure]:
     """The measured steps (after ``warmup``) of a run's per-step metrics and its engine's groups."""
     out = []
     for step, m in enumerate(history[warmup:], start=warmup):
         groups = recorder.groups(step)
-        out.append(StepMeasure(step_s=m["time/step_s"], phases=phases_from_metrics(m), groups=groups,
-                               flops=flops(groups) if flops else 0.0))
+        out.append(
+            StepMeasure(
+                step_s=m["time/step_s"],
+                phases=phases_from_metrics(m),
+                groups=groups,
+                flops=flops(groups) if flops else 0.0,
+            )
+        )
     return out
 
 
@@ -86,20 +100,36 @@ def run_e2e_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
         return None
     spec = decoder_spec_from_hf(read_hf_config(cfg.model.hf_path))
     frozen = len(from_config.trimodel_plan(cfg).active) - 1
-    measured = measures(history, recorders[0], opts.warmup,
-                        flops=lambda groups: training_flops(spec, groups, frozen_forwards=frozen))
+    measured = measures(
+        history, recorders[0], opts.warmup, flops=lambda groups: training_flops(spec, groups, frozen_forwards=frozen)
+    )
     plat = detect_platform(opts.platform)
     device_type = plat.device_type
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's: every training rank
     engines = len(from_config.engine_settings(cfg).device_assignments()) * cfg.rollout.tensor_parallel_size
-    world = {"platform": plat.name, "world_size": world_size, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
-             "dp": world_size // (cfg.parallel.tp * cfg.parallel.pp), "engines": engines, "engine": cfg.rollout.engine,
-             "pipeline": cfg.pipeline.mode}
-    rest = history[opts.warmup:]
-    return aggregate(measured, scope="e2e", warmup=opts.warmup, devices=world_size + engines,
-                     train_devices=world_size, peak=resolve_peak(opts, device_type, DTYPES[cfg.model.dtype]),
-                     memory=_memory(rest, device_type), world=world, config=config_to_dict(cfg),
-                     extra={**_overlap(rest), "frozen_forwards": float(frozen)})
+    world = {
+        "platform": plat.name,
+        "world_size": world_size,
+        "tp": cfg.parallel.tp,
+        "pp": cfg.parallel.pp,
+        "dp": world_size // (cfg.parallel.tp * cfg.parallel.pp),
+        "engines": engines,
+        "engine": cfg.rollout.engine,
+        "pipeline": cfg.pipeline.mode,
+    }
+    rest = history[opts.warmup :]
+    return aggregate(
+        measured,
+        scope="e2e",
+        warmup=opts.warmup,
+        devices=world_size + engines,
+        train_devices=world_size,
+        peak=resolve_peak(opts, device_type, DTYPES[cfg.model.dtype]),
+        memory=_memory(rest, device_type),
+        world=world,
+        config=config_to_dict(cfg),
+        extra={**_overlap(rest), "frozen_forwards": float(frozen)},
+    )
 
 
 def _overlap(rest: list[Mapping[str, float]]) -> dict[str, float]:
@@ -107,11 +137,13 @@ def _overlap(rest: list[Mapping[str, float]]) -> dict[str, float]:
     metrics when it logs them."""
     busy = sum(m.get("time/generation_s", 0.0) for m in rest) / len(rest)
     exposed = sum(min(m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)) for m in rest) / len(rest)
-    extra = {"overlapped_generation_s": busy,
-             "overlapped_reward_s": sum(m.get("time/reward_s", 0.0) for m in rest) / len(rest),
-             "overlap_fraction": 1 - exposed / busy if busy > 0 else 0.0,
-             "groups_dropped": sum(m.get("rollout/groups_dropped", 0.0) for m in rest),
-             "logged_response_tokens": sum(m.get("rollout/response_tokens", 0.0) for m in rest)}
+    extra = {
+        "overlapped_generation_s": busy,
+        "overlapped_reward_s": sum(m.get("time/reward_s", 0.0) for m in rest) / len(rest),
+        "overlap_fraction": 1 - exposed / busy if busy > 0 else 0.0,
+        "groups_dropped": sum(m.get("rollout/groups_dropped", 0.0) for m in rest),
+        "logged_response_tokens": sum(m.get("rollout/response_tokens", 0.0) for m in rest),
+    }
     for key in ("throughput/tokens_per_s_per_device", "throughput/completion_tokens_per_s"):
         if all(key in m for m in rest):
             extra["logged_" + key.split("/")[1]] = sum(m[key] for m in rest) / len(rest)

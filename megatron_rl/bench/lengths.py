@@ -38,9 +38,11 @@ class LengthDist:
             values = [float(x) for x in args.split(",")] if args else []
         except ValueError:
             values = []
-        ok = ((kind == "fixed" and len(values) == 1 and values[0] >= 1)
-              or (kind == "uniform" and len(values) == 2 and 1 <= values[0] <= values[1])
-              or (kind == "heavy" and len(values) in (1, 2) and values[0] >= 1 and (len(values) == 1 or values[1] > 0)))
+        ok = (
+            (kind == "fixed" and len(values) == 1 and values[0] >= 1)
+            or (kind == "uniform" and len(values) == 2 and 1 <= values[0] <= values[1])
+            or (kind == "heavy" and len(values) in (1, 2) and values[0] >= 1 and (len(values) == 1 or values[1] > 0))
+        )
         if not ok:
             raise ValueError(f"{flag} {spec!r}: expected fixed:N, uniform:A,B (1 <= A <= B) or heavy:MEDIAN[,SIGMA]")
         if kind == "heavy" and len(values) == 1:

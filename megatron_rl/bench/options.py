@@ -45,9 +45,22 @@ class BenchOptions:
 
     def to_argv(self) -> list[str]:
         """These options as flags (without ``--compare``): how a variant subprocess is launched."""
-        argv = ["--scope", self.scope, "--steps", str(self.steps), "--warmup", str(self.warmup),
-                "--prompt-len", str(self.prompt_len), "--response-len", str(self.response_len),
-                "--platform", self.platform, "--seed", str(self.seed)]
+        argv = [
+            "--scope",
+            self.scope,
+            "--steps",
+            str(self.steps),
+            "--warmup",
+            str(self.warmup),
+            "--prompt-len",
+            str(self.prompt_len),
+            "--response-len",
+            str(self.response_len),
+            "--platform",
+            self.platform,
+            "--seed",
+            str(self.seed),
+        ]
         if self.peak_tflops is not None:
             argv += ["--peak-tflops", str(self.peak_tflops)]
         if self.device is not None:
@@ -59,30 +72,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench flags on ``parser`` (``config`` and ``overrides`` are the caller's)."""
     from megatron_rl.platform.device import PLATFORMS
 
-    parser.add_argument("--scope", default="e2e", choices=SCOPES,
-                        help="e2e: the training loop; train: the trainer alone on synthetic groups; "
-                             "rollout: the engines alone")
+    parser.add_argument(
+        "--scope",
+        default="e2e",
+        choices=SCOPES,
+        help="e2e: the training loop; train: the trainer alone on synthetic groups; rollout: the engines alone",
+    )
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1, help="steps run before measuring")
-    parser.add_argument("--prompt-len", default="fixed:64",
-                        help="train scope: fixed:N | uniform:A,B | heavy:MEDIAN[,SIGMA]")
-    parser.add_argument("--response-len", default="heavy:128,1.0",
-                        help="train scope: as --prompt-len, clipped to rollout.sampling.max_new_tokens")
+    parser.add_argument(
+        "--prompt-len", default="fixed:64", help="train scope: fixed:N | uniform:A,B | heavy:MEDIAN[,SIGMA]"
+    )
+    parser.add_argument(
+        "--response-len",
+        default="heavy:128,1.0",
+        help="train scope: as --prompt-len, clipped to rollout.sampling.max_new_tokens",
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device for MFU")
     parser.add_argument("--device", default=None, choices=DEVICES, help="peak-table key (default: detected)")
     parser.add_argument("--platform", default="auto", choices=PLATFORMS)
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic groups (train scope)")
-    parser.add_argument("--compare", nargs="+", default=[], metavar="A.B=X",
-                        help="run one variant per override (quote several overrides together) and print "
-                             "ratios; put it last")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="A.B=X",
+        help="run one variant per override (quote several overrides together) and print ratios; put it last",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    return BenchOptions(scope=args.scope, steps=args.steps, warmup=args.warmup,
-                        prompt_len=LengthDist.parse(args.prompt_len, flag="--prompt-len"),
-                        response_len=LengthDist.parse(args.response_len, flag="--response-len"),
-                        peak_tflops=args.peak_tflops, device=args.device, platform=args.platform, seed=args.seed,
-                        compare=tuple(args.compare))
+    return BenchOptions(
+        scope=args.scope,
+        steps=args.steps,
+        warmup=args.warmup,
+        prompt_len=LengthDist.parse(args.prompt_len, flag="--prompt-len"),
+        response_len=LengthDist.parse(args.response_len, flag="--response-len"),
+        peak_tflops=args.peak_tflops,
+        device=args.device,
+        platform=args.platform,
+        seed=args.seed,
+        compare=tuple(args.compare),
+    )
 
 
 def peak_memory(device_type: str) -> tuple[float, str]:

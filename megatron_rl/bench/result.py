@@ -86,31 +86,58 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def aggregate(measured: Sequence[StepMeasure], *, scope: str, warmup: int, devices: int, train_devices: int,
-              peak: tuple[float, str], memory: tuple[float, str], world: dict[str, Any], config: dict[str, Any],
-              extra: Mapping[str, float] | None = None) -> BenchResult:
+def aggregate(
+    measured: Sequence[StepMeasure],
+    *,
+    scope: str,
+    warmup: int,
+    devices: int,
+    train_devices: int,
+    peak: tuple[float, str],
+    memory: tuple[float, str],
+    world: dict[str, Any],
+    config: dict[str, Any],
+    extra: Mapping[str, float] | None = None,
+) -> BenchResult:
     """Rates over the measured steps (total tokens / total step time), mean phases, MFU."""
     if not measured:
         raise ValueError("bench: no measured step (--steps must be >= 1)")
     total_s = sum(m.step_s for m in measured)
     groups = [g for m in measured for g in m.groups]
-    tokens = {"prompt": sum(len(g.response_lens) * g.prompt_len for g in groups),
-              "response": sum(sum(g.response_lens) for g in groups),
-              "packed": sum(g.packed_tokens for g in groups),
-              "samples": sum(len(g.response_lens) for g in groups), "groups": len(groups)}
+    tokens = {
+        "prompt": sum(len(g.response_lens) * g.prompt_len for g in groups),
+        "response": sum(sum(g.response_lens) for g in groups),
+        "packed": sum(g.packed_tokens for g in groups),
+        "samples": sum(len(g.response_lens) for g in groups),
+        "groups": len(groups),
+    }
     n = len(measured)
     phases = {name: sum(m.with_idle()[name] for m in measured) / n for name in PHASES}
     train_s = sum(m.phases.get("train", 0.0) for m in measured)
     flops = sum(m.flops for m in measured)
     mfu = flops / train_s / (peak[0] * 1e12 * train_devices) if flops > 0 and train_s > 0 else None
     return BenchResult(
-        scope=scope, steps=n, warmup=warmup, step_s=total_s / n,
+        scope=scope,
+        steps=n,
+        warmup=warmup,
+        step_s=total_s / n,
         tokens_per_s_per_device=(tokens["prompt"] + tokens["response"]) / devices / total_s,
-        samples_per_s=tokens["samples"] / total_s, completion_tokens_per_s=tokens["response"] / total_s,
-        tokens=tokens, phases=phases, breakdown_error=abs(sum(phases.values()) - total_s / n) / (total_s / n),
-        peak_memory_gb=memory[0], memory_kind=memory[1], mfu=mfu, flops_per_step=flops / n,
-        peak_tflops=peak[0], peak_source=peak[1], devices=devices, world=world, versions=versions(),
-        config=config, extra=dict(extra or {}),
+        samples_per_s=tokens["samples"] / total_s,
+        completion_tokens_per_s=tokens["response"] / total_s,
+        tokens=tokens,
+        phases=phases,
+        breakdown_error=abs(sum(phases.values()) - total_s / n) / (total_s / n),
+        peak_memory_gb=memory[0],
+        memory_kind=memory[1],
+        mfu=mfu,
+        flops_per_step=flops / n,
+        peak_tflops=peak[0],
+        peak_source=peak[1],
+        devices=devices,
+        world=world,
+        versions=versions(),
+        config=config,
+        extra=dict(extra or {}),
     )
 
 
@@ -124,8 +151,7 @@ def phases_from_metrics(m: Mapping[str, float]) -> dict[str, float]:
     wait, busy = m.get("time/queue_wait_s", 0.0), m.get("time/generation_s", 0.0)
     reward_share = min(m.get("time/reward_s", 0.0) / busy, 1.0) if busy > 0 else 0.0
     covered = min(wait, busy)
-    out = {"generation": covered * (1 - reward_share), "reward": covered * reward_share,
-           "queue_wait": wait - covered}
+    out = {"generation": covered * (1 - reward_share), "reward": covered * reward_share, "queue_wait": wait - covered}
     out.update({name: m.get(f"time/{name}_s", 0.0) for name in ("train", "optimizer", "weight_sync")})
     if "time/idle_s" in m:
         out["idle"] = m["time/idle_s"]
@@ -135,15 +161,22 @@ def phases_from_metrics(m: Mapping[str, float]) -> dict[str, float]:
 def table_rows(result: BenchResult) -> list[tuple[str, str]]:
     """(name, value) rows of the human-readable table."""
     r = result
-    rows = [("scope", f"{r.scope} ({r.steps} steps after {r.warmup} warm-up)"), ("step time", f"{r.step_s:.3f} s"),
-            ("tokens/s/device", f"{r.tokens_per_s_per_device:.1f} ({r.devices} devices)"),
-            ("samples/s", f"{r.samples_per_s:.2f}"), ("completion tokens/s", f"{r.completion_tokens_per_s:.1f}")]
+    rows = [
+        ("scope", f"{r.scope} ({r.steps} steps after {r.warmup} warm-up)"),
+        ("step time", f"{r.step_s:.3f} s"),
+        ("tokens/s/device", f"{r.tokens_per_s_per_device:.1f} ({r.devices} devices)"),
+        ("samples/s", f"{r.samples_per_s:.2f}"),
+        ("completion tokens/s", f"{r.completion_tokens_per_s:.1f}"),
+    ]
     rows += [(f"  {name}", f"{sec:.3f} s ({100 * sec / r.step_s:.1f} %)") for name, sec in r.phases.items()]
     mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.2f} % of {r.peak_tflops:.3g} TFLOP/s ({r.peak_source})"
-    rows += [("breakdown error", f"{100 * r.breakdown_error:.2f} %"),
-             ("peak memory", f"{r.peak_memory_gb:.2f} GB ({r.memory_kind})"), ("training MFU", mfu),
-             ("world", ", ".join(f"{k}={v}" for k, v in r.world.items())),
-             ("versions", ", ".join(f"{k} {v}" for k, v in r.versions.items() if v))]
+    rows += [
+        ("breakdown error", f"{100 * r.breakdown_error:.2f} %"),
+        ("peak memory", f"{r.peak_memory_gb:.2f} GB ({r.memory_kind})"),
+        ("training MFU", mfu),
+        ("world", ", ".join(f"{k}={v}" for k, v in r.world.items())),
+        ("versions", ", ".join(f"{k} {v}" for k, v in r.versions.items() if v)),
+    ]
     return rows
 
 

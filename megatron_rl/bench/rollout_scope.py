@@ -35,11 +35,23 @@ def run_rollout_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     measured = measures(generate_only(cfg, engine_factory=factory), recorders[0], opts.warmup)
     device_type = detect_platform(opts.platform).device_type
     engines = len(from_config.engine_settings(cfg).device_assignments())
-    world = {"platform": device_type, "world_size": 0, "engines": engines, "engine": cfg.rollout.engine,
-             "engine_tp": cfg.rollout.tensor_parallel_size}
+    world = {
+        "platform": device_type,
+        "world_size": 0,
+        "engines": engines,
+        "engine": cfg.rollout.engine,
+        "engine_tp": cfg.rollout.tensor_parallel_size,
+    }
     # Engines are processes of their own: after shutdown, RUSAGE_CHILDREN holds the largest one's peak.
     memory = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6, "engine_host_rss")
-    return aggregate(measured, scope="rollout", warmup=opts.warmup,
-                     devices=engines * cfg.rollout.tensor_parallel_size, train_devices=1,
-                     peak=resolve_peak(opts, device_type, DTYPES[cfg.model.dtype]), memory=memory, world=world,
-                     config=config_to_dict(cfg))
+    return aggregate(
+        measured,
+        scope="rollout",
+        warmup=opts.warmup,
+        devices=engines * cfg.rollout.tensor_parallel_size,
+        train_devices=1,
+        peak=resolve_peak(opts, device_type, DTYPES[cfg.model.dtype]),
+        memory=memory,
+        world=world,
+        config=config_to_dict(cfg),
+    )

@@ -38,8 +38,9 @@ def bench_command(cfg: Config, args: argparse.Namespace) -> int:
         import os
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            print("megatron_rl bench: --compare launches its own variant runs; start it as one process",
-                  file=sys.stderr)
+            print(
+                "megatron_rl bench: --compare launches its own variant runs; start it as one process", file=sys.stderr
+            )
             return 2
         print_comparison(run_variants(args.config, args.overrides, opts.to_argv(), opts.compare))
         return 0

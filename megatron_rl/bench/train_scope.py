@@ -56,20 +56,36 @@ class SyntheticGroups:
             prompt = tuple(int(t) for t in rng.integers(0, self.vocab_size, lp))
             lens = self.response_len.sample(rng, self.group_size, cap=self.max_new_tokens)
             responses = [tuple(int(t) for t in rng.integers(0, self.vocab_size, n)) for n in lens]
-            out.append([Sample(prompt_id=f"synthetic-{p}", request_id=f"{step}/synthetic-{p}/{k}", index=k,
-                               prompt_ids=prompt, response_ids=responses[k],
-                               behav_logprobs=(behav,) * n, weight_version=step,
-                               finish_reason="length" if n == self.max_new_tokens else "stop",
-                               reward=float(rng.random()))
-                        for k, n in enumerate(lens)])
+            out.append(
+                [
+                    Sample(
+                        prompt_id=f"synthetic-{p}",
+                        request_id=f"{step}/synthetic-{p}/{k}",
+                        index=k,
+                        prompt_ids=prompt,
+                        response_ids=responses[k],
+                        behav_logprobs=(behav,) * n,
+                        weight_version=step,
+                        finish_reason="length" if n == self.max_new_tokens else "stop",
+                        reward=float(rng.random()),
+                    )
+                    for k, n in enumerate(lens)
+                ]
+            )
         return out
 
     @classmethod
     def from_config(cls, cfg: Config, opts: BenchOptions, vocab_size: int) -> SyntheticGroups:
-        return cls(vocab_size=vocab_size, num_prompts=cfg.trainer.prompts_per_batch, group_size=cfg.control.group_size,
-                   prompt_len=opts.prompt_len, response_len=opts.response_len,
-                   max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=cfg.rollout.sampling.max_new_tokens,
-                   seed=opts.seed)
+        return cls(
+            vocab_size=vocab_size,
+            num_prompts=cfg.trainer.prompts_per_batch,
+            group_size=cfg.control.group_size,
+            prompt_len=opts.prompt_len,
+            response_len=opts.response_len,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            max_new_tokens=cfg.rollout.sampling.max_new_tokens,
+            seed=opts.seed,
+        )
 
 
 class SyntheticSteps:
@@ -88,11 +104,18 @@ class SyntheticSteps:
     def begin_step(self) -> StepBatch:
         """The next step's batch (``prepare`` first)."""
         queue = collections.deque(self.items)
-        return StepBatch(start=queue.popleft(), policy_version=self.step,
-                         num_mini_batches=self.cfg.trainer.mini_batches,
-                         token_budget=self.cfg.pipeline.micro_batch_tokens, streamed=False, flush_when_idle=False,
-                         pop=queue.popleft, queue_empty=lambda: not queue, replicas=self.replicas,
-                         lockstep=from_config.pipeline_settings(self.cfg).lockstep_replicas)  # EP: as training
+        return StepBatch(
+            start=queue.popleft(),
+            policy_version=self.step,
+            num_mini_batches=self.cfg.trainer.mini_batches,
+            token_budget=self.cfg.pipeline.micro_batch_tokens,
+            streamed=False,
+            flush_when_idle=False,
+            pop=queue.popleft,
+            queue_empty=lambda: not queue,
+            replicas=self.replicas,
+            lockstep=from_config.pipeline_settings(self.cfg).lockstep_replicas,
+        )  # EP: as training
 
     def complete(self, batch: StepBatch, version: int) -> int:
         """The step is done (nothing to publish: no engine)."""
@@ -128,12 +151,22 @@ class ShapeRecorder:
 def queue_items(cfg: Config, groups: SyntheticGroups, step: int) -> list:
     """The queue of one step as the producer would fill it: start marker, scored groups, end marker."""
     scoring = from_config.group_scoring(cfg)
-    scored = [score_group(step=step, prompt_index=p, samples=s, scoring=scoring)
-              for p, s in enumerate(groups.samples(step))]
+    scored = [
+        score_group(step=step, prompt_index=p, samples=s, scoring=scoring) for p, s in enumerate(groups.samples(step))
+    ]
     lengths = tuple(len(s.response_ids) for g in scored for s in g.samples)
-    return [BatchStart(step=step, num_prompts=len(scored), group_size=groups.group_size), *scored,
-            BatchEnd(step=step, group_size=groups.group_size, response_lengths=lengths, groups_produced=len(scored),
-                     groups_dropped=sum(not g.kept for g in scored), source_state=None)]
+    return [
+        BatchStart(step=step, num_prompts=len(scored), group_size=groups.group_size),
+        *scored,
+        BatchEnd(
+            step=step,
+            group_size=groups.group_size,
+            response_lengths=lengths,
+            groups_produced=len(scored),
+            groups_dropped=sum(not g.kept for g in scored),
+            source_state=None,
+        ),
+    ]
 
 
 def trained_shapes(mb: MicroBatch) -> list[GroupShape]:
@@ -167,17 +200,38 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
             steps.prepare()
             _, step_s = run_step(steps, leader)
             shapes, (_, seconds) = leader.pop_shapes(), replica.pop_results()
-            measured.append(StepMeasure(step_s=step_s, phases=seconds, groups=shapes,
-                                        flops=training_flops(spec, shapes, frozen_forwards=frozen)))
+            measured.append(
+                StepMeasure(
+                    step_s=step_s,
+                    phases=seconds,
+                    groups=shapes,
+                    flops=training_flops(spec, shapes, frozen_forwards=frozen),
+                )
+            )
     finally:
         leader.leader.stop_followers()
         _remove(replica.snapshot_root)
-    world = {"platform": plat.name, "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-             "dp": layout.dp, "engines": 0}
+    world = {
+        "platform": plat.name,
+        "world_size": layout.world_size,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "engines": 0,
+    }
     peak = resolve_peak(opts, plat.device_type, DTYPES[cfg.model.dtype])
-    return aggregate(measured[opts.warmup:], scope="train", warmup=opts.warmup, devices=layout.world_size,
-                     train_devices=layout.world_size, peak=peak, memory=peak_memory(plat.device_type), world=world,
-                     config=config_to_dict(cfg), extra={"frozen_forwards": float(frozen)})
+    return aggregate(
+        measured[opts.warmup :],
+        scope="train",
+        warmup=opts.warmup,
+        devices=layout.world_size,
+        train_devices=layout.world_size,
+        peak=peak,
+        memory=peak_memory(plat.device_type),
+        world=world,
+        config=config_to_dict(cfg),
+        extra={"frozen_forwards": float(frozen)},
+    )
 
 
 def _quiet(cfg: Config) -> Config:

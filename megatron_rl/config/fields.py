@@ -56,8 +56,11 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algorithm.clip.low": (lambda v: 0 < v < 1, "must be in (0, 1)"),
     "algorithm.behav_weight_cap": (lambda v: v > 1, "must be > 1 (a cap on π_prox/π_behav), or null for no cap"),
     # the streaming pipeline scores each group as it completes; refused before launch
-    "algorithm.advantage.scale": (lambda v: v != "batch", "must be 'group' or 'none' ('batch' needs the whole "
-                                  "batch before the first group can train, which defeats periodic asynchrony)"),
+    "algorithm.advantage.scale": (
+        lambda v: v != "batch",
+        "must be 'group' or 'none' ('batch' needs the whole "
+        "batch before the first group can train, which defeats periodic asynchrony)",
+    ),
     "control.sagc.tau": (lambda v: v > 1, "must be > 1 (a ratio max/median response length)"),
     "control.sagc.delta": (lambda v: 0 < v < 1, "must be in (0, 1) (a target rate)"),
     "control.sagc.gamma": (lambda v: 0 < v <= 1, "must be in (0, 1] (a forgetting factor)"),

@@ -109,9 +109,7 @@ def parse_yaml(text: str, *, source: str) -> tuple[Any, Origins, list[Problem]]:
     return data, origins, problems
 
 
-def _record_lines(
-    node: yaml.Node, prefix: str, source: str, origins: Origins, problems: list[Problem]
-) -> None:
+def _record_lines(node: yaml.Node, prefix: str, source: str, origins: Origins, problems: list[Problem]) -> None:
     """Walk the composed YAML tree recording "file:line" per dotted key; flag duplicate keys."""
     if isinstance(node, yaml.MappingNode):
         first_line: dict[str, int] = {}
@@ -145,9 +143,7 @@ def apply_override(data: dict[str, Any], override: str, origins: Origins) -> Pro
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        return Problem(
-            key=override, message="override must be key=value, e.g. trainer.lr=1e-5", where=COMMAND_LINE
-        )
+        return Problem(key=override, message="override must be key=value, e.g. trainer.lr=1e-5", where=COMMAND_LINE)
     try:
         value = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:

@@ -24,8 +24,14 @@ Found = Iterator[tuple[str, str]]  # (dotted key, message) pairs yielded by a ch
 
 # TransformerConfig fields built from the HF config.json by models/.
 HF_OWNED = (
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-    "kv_channels", "layernorm_epsilon", "normalization",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "layernorm_epsilon",
+    "normalization",
 )
 # TransformerConfig fields this project sets itself; the value says from where.
 MEGATRON_OWNED = {

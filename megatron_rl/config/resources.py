@@ -31,8 +31,11 @@ def check_resources(cfg: Config) -> Found:
     """Every problem of the files and import paths `cfg` names."""
     yield from check_data_file(cfg.data.source)
     yield from check_model_dir(cfg.model.hf_path)
-    for key, spec in (("reward.fn", cfg.reward.fn), ("control.kind", cfg.control.kind),
-                      ("environment.kind", cfg.environment.kind)):
+    for key, spec in (
+        ("reward.fn", cfg.reward.fn),
+        ("control.kind", cfg.control.kind),
+        ("environment.kind", cfg.environment.kind),
+    ):
         if ":" in spec:
             _, why = find_dotted(spec)
             if why:
@@ -98,5 +101,10 @@ def check_model_dir(hf_path: str) -> Found:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             yield "model.hf_path", f"{config} is not valid JSON: {err}"
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        yield "model.hf_path", (f"{hf_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                                "save the tokenizer next to the weights (tokenizer.save_pretrained)")
+        yield (
+            "model.hf_path",
+            (
+                f"{hf_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                "save the tokenizer next to the weights (tokenizer.save_pretrained)"
+            ),
+        )

@@ -25,8 +25,9 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ProximalMode = Literal["recompute", "loglinear"]
 # token_*: r_t = exp(δ_t); sequence_*: r = exp(Σ_t δ_t) (TRL); geometric_*: r = exp(mean_t δ_t) (verl's
 # geometric level: does not collapse with length as the sequence product does).
-CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
-                         "geometric_truncate", "geometric_mask"]
+CorrectionMode = Literal[
+    "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_truncate", "geometric_mask"
+]
 AlarmAction = Literal["warn", "stop"]
 EngineName = Literal["vllm", "hf"]
 WeightSync = Literal["snapshot", "broadcast", "shared_memory"]
@@ -169,9 +170,7 @@ class AlgorithmConfig:
     clip: ClipConfig = field(default_factory=ClipConfig)  # ratio clipping
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO length penalty
-    proximal: ProximalMode = (
-        "recompute"  # decoupled PPO proximal policy (A-3PO = loglinear)
-    )
+    proximal: ProximalMode = "recompute"  # decoupled PPO proximal policy (A-3PO = loglinear)
     behav_weight_cap: float | None = None  # decoupled PPO: cap on π_prox/π_behav; None = no cap
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # engine mismatch
     mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)  # engine mismatch gate

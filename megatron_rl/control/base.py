@@ -68,9 +68,7 @@ class GroupSizeController(Protocol):
         ...
 
 
-def measure_step(
-    response_lengths: Sequence[int], *, group_size: int, tau: float
-) -> StepObservation:
+def measure_step(response_lengths: Sequence[int], *, group_size: int, tau: float) -> StepObservation:
     """Straggler statistics of one step.
 
     response_lengths: (N,) positive token counts of every response of the step, N >= 1.
@@ -78,9 +76,7 @@ def measure_step(
     """
     lengths = np.asarray(response_lengths)
     if lengths.ndim != 1 or lengths.size == 0:
-        raise ValueError(
-            f"response_lengths must be a non-empty 1-D sequence, got shape {lengths.shape}"
-        )
+        raise ValueError(f"response_lengths must be a non-empty 1-D sequence, got shape {lengths.shape}")
     if not np.issubdtype(lengths.dtype, np.integer) or int(lengths.min()) < 1:
         raise ValueError(
             f"response_lengths must be integers >= 1 (a response has at least one token), "

@@ -46,8 +46,11 @@ def _load_dotted(spec: str, options: dict[str, Any]) -> GroupSizeController:
         raise ValueError(f"controller {spec!r}: {why or 'is not callable'}")
     controller = factory(**options)
     if not isinstance(controller, GroupSizeController):
-        missing = [m for m in ("choose", "observe", "state_dict", "load_state_dict", "metrics")
-                   if not callable(getattr(controller, m, None))]
+        missing = [
+            m
+            for m in ("choose", "observe", "state_dict", "load_state_dict", "metrics")
+            if not callable(getattr(controller, m, None))
+        ]
         raise ValueError(  # noqa: TRY004
             f"controller {spec!r} does not implement GroupSizeController (missing: {missing})"
         )

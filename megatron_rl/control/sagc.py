@@ -79,8 +79,7 @@ class SAGCController:
     # -- posterior -----------------------------------------------------------------------------
     def posterior(self) -> tuple[np.ndarray, np.ndarray]:
         """(alpha, beta): Beta posterior parameters per candidate, each shape (num_candidates,)."""
-        return (self.settings.prior_alpha + self._straggler_evidence,
-                self.settings.prior_beta + self._clean_evidence)
+        return (self.settings.prior_alpha + self._straggler_evidence, self.settings.prior_beta + self._clean_evidence)
 
     @property
     def lagrange_multiplier(self) -> float:
@@ -150,9 +149,7 @@ class SAGCController:
         rng_state = state["rng"]
         expected = self._rng.bit_generator.state["bit_generator"]
         if rng_state["bit_generator"] != expected:
-            raise ValueError(
-                f"checkpoint rng is {rng_state['bit_generator']}, this controller uses {expected}"
-            )
+            raise ValueError(f"checkpoint rng is {rng_state['bit_generator']}, this controller uses {expected}")
         self._straggler_evidence = np.asarray(state["straggler_evidence"], dtype=np.float64)
         self._clean_evidence = np.asarray(state["clean_evidence"], dtype=np.float64)
         self._lambda = float(state["lambda"])

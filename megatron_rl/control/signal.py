@@ -83,8 +83,7 @@ class PassRateModel:
 
     def informative_fraction(self, group_size: int) -> float:
         """I(G) = 1 - E[p^G] - E[(1 - p)^G]: expected fraction of informative groups."""
-        return (1.0 - beta_moment(self.alpha, self.beta, group_size)
-                - beta_moment(self.beta, self.alpha, group_size))
+        return 1.0 - beta_moment(self.alpha, self.beta, group_size) - beta_moment(self.beta, self.alpha, group_size)
 
     def step_signal(self, group_size: int, prompts: int, weight: Weight) -> float:
         """Expected learning signal of one step: prompts x I(G) x w(G)."""

@@ -55,8 +55,9 @@ class LengthModel:
         if not 0 <= self.tail_prob <= 1:
             raise ValueError(f"LengthModel.tail_prob must be in [0, 1], got {self.tail_prob!r}")
         if self.max_length < self.median_length:
-            raise ValueError(f"LengthModel.max_length ({self.max_length}) must be >= "
-                             f"median_length ({self.median_length})")
+            raise ValueError(
+                f"LengthModel.max_length ({self.max_length}) must be >= median_length ({self.median_length})"
+            )
 
     def tail_probability(self, *, group_size: int, step: int) -> float:
         """q(G, t): probability that one response of step t at group size G is a runaway."""
@@ -64,8 +65,7 @@ class LengthModel:
         growth = (group_size / self.reference_group) ** self.tail_group_exponent
         return min(self.tail_prob * growth * (1.0 + self.tail_growth * ramp), 1.0)
 
-    def sample(self, rng: np.random.Generator, *, group_size: int, prompts: int, step: int
-               ) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, *, group_size: int, prompts: int, step: int) -> np.ndarray:
         """Response lengths of one step: int64 array of shape (prompts * group_size,), in
         [1, max_length]."""
         n = prompts * group_size
@@ -129,8 +129,8 @@ def simulate(
         wall_clock_h=seconds / samples * work_samples / 3600.0,
         mean_g=float(groups.mean()),
         final_g=int(groups[-1]),
-        late_straggler_rate=float(hits[steps // 2:].mean()),
-        late_mean_g=float(groups[steps // 2:].mean()),
+        late_straggler_rate=float(hits[steps // 2 :].mean()),
+        late_mean_g=float(groups[steps // 2 :].mean()),
     )
 
 
@@ -150,7 +150,14 @@ def compare_policies(
     for g in settings.candidates:
         controllers[f"fixed_{g}"] = FixedController(g, tau=settings.tau)
     return {
-        name: simulate(controller, steps=steps, prompts=prompts, work_samples=work,
-                       lengths=lengths, cost=cost, rng=np.random.default_rng([seed, 1]))
+        name: simulate(
+            controller,
+            steps=steps,
+            prompts=prompts,
+            work_samples=work,
+            lengths=lengths,
+            cost=cost,
+            rng=np.random.default_rng([seed, 1]),
+        )
         for name, controller in controllers.items()
     }

@@ -88,7 +88,10 @@ class StepTimeModel:
 
     def scaled(self, factor: float) -> StepTimeModel:
         """The same model with every time constant multiplied by `factor`."""
-        return StepTimeModel(decode_iter_s=self.decode_iter_s * factor,
-                             decode_seq_s=self.decode_seq_s * factor,
-                             train_token_s=self.train_token_s * factor,
-                             sync_s=self.sync_s * factor, prompt_tokens=self.prompt_tokens)
+        return StepTimeModel(
+            decode_iter_s=self.decode_iter_s * factor,
+            decode_seq_s=self.decode_seq_s * factor,
+            train_token_s=self.train_token_s * factor,
+            sync_s=self.sync_s * factor,
+            prompt_tokens=self.prompt_tokens,
+        )

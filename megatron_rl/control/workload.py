@@ -90,8 +90,7 @@ class ReasoningLengths:
         ramp = min(step / self.ramp_steps, 1.0)
         return self.median_start + (self.median_end - self.median_start) * ramp
 
-    def sample(self, rng: np.random.Generator, *, group_size: int, prompts: int, step: int
-               ) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, *, group_size: int, prompts: int, step: int) -> np.ndarray:
         """Lengths of one step: int64 (prompts, group_size), in [1, max_length]."""
         z_prompt = rng.standard_normal((prompts, 1))
         z = rng.standard_normal((prompts, group_size))
@@ -102,9 +101,13 @@ class ReasoningLengths:
 
 def paper_step_time() -> StepTimeModel:
     """The assumed step-time constants (uncalibrated time unit)."""
-    return StepTimeModel(decode_iter_s=ASSUMED_DECODE_ITER_S, decode_seq_s=ASSUMED_DECODE_SEQ_S,
-                         train_token_s=ASSUMED_TRAIN_TOKEN_S, sync_s=ASSUMED_SYNC_S,
-                         prompt_tokens=ASSUMED_PROMPT_TOKENS)
+    return StepTimeModel(
+        decode_iter_s=ASSUMED_DECODE_ITER_S,
+        decode_seq_s=ASSUMED_DECODE_SEQ_S,
+        train_token_s=ASSUMED_TRAIN_TOKEN_S,
+        sync_s=ASSUMED_SYNC_S,
+        prompt_tokens=ASSUMED_PROMPT_TOKENS,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,8 +118,11 @@ class Workload:
     prompts: int = ASSUMED_PROMPTS_PER_STEP
     lengths: ReasoningLengths = field(default_factory=ReasoningLengths)
     step_time: StepTimeModel = field(default_factory=paper_step_time)
-    pass_rates: PassRateModel = field(default_factory=lambda: PassRateModel(
-        mean=ASSUMED_PASS_RATE_MEAN, concentration=ASSUMED_PASS_RATE_CONCENTRATION))
+    pass_rates: PassRateModel = field(
+        default_factory=lambda: PassRateModel(
+            mean=ASSUMED_PASS_RATE_MEAN, concentration=ASSUMED_PASS_RATE_CONCENTRATION
+        )
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,8 +151,7 @@ class RunTrace:
     samples: int
 
 
-def run_workload(controller: GroupSizeController, workload: Workload, *,
-                 rng: np.random.Generator) -> RunTrace:
+def run_workload(controller: GroupSizeController, workload: Workload, *, rng: np.random.Generator) -> RunTrace:
     """Run `controller` for workload.steps steps; sync and periodic times of the same lengths."""
     w = workload
     sync_s = periodic_s = 0.0
@@ -161,33 +166,41 @@ def run_workload(controller: GroupSizeController, workload: Workload, *,
         periodic_s += w.step_time.periodic_step_seconds(lengths)
         for weight in WEIGHTS:
             signal[weight] += w.pass_rates.step_signal(g, w.prompts, weight)
-    return RunTrace(sync_s=sync_s, periodic_s=periodic_s, straggler_rate=float(hits.mean()),
-                    mean_g=float(groups.mean()), signal=signal,
-                    samples=int(groups.sum()) * w.prompts)
+    return RunTrace(
+        sync_s=sync_s,
+        periodic_s=periodic_s,
+        straggler_rate=float(hits.mean()),
+        mean_g=float(groups.mean()),
+        signal=signal,
+        samples=int(groups.sum()) * w.prompts,
+    )
 
 
 def mode_result(trace: RunTrace, seconds: float) -> ModeResult:
     """Per-mode figures of a run that took `seconds` (already in calibrated time)."""
     hours = seconds / 3600.0
     return ModeResult(
-        wall_clock_h=hours, straggler_rate=trace.straggler_rate, mean_g=trace.mean_g,
+        wall_clock_h=hours,
+        straggler_rate=trace.straggler_rate,
+        mean_g=trace.mean_g,
         signal_per_h=trace.signal["log2"] / hours,
         informative_groups_per_h=trace.signal["groups"] / hours,
         informative_samples_per_h=trace.signal["samples"] / hours,
-        signal_total=trace.signal["log2"], samples=trace.samples)
+        signal_total=trace.signal["log2"],
+        samples=trace.samples,
+    )
 
 
-def compare_on_workload(settings: SAGCSettings, workload: Workload, *, seed: int,
-                        calibrate_hours: float | None = PAPER_FIXED_G16_HOURS
-                        ) -> dict[str, dict[str, ModeResult]]:
+def compare_on_workload(
+    settings: SAGCSettings, workload: Workload, *, seed: int, calibrate_hours: float | None = PAPER_FIXED_G16_HOURS
+) -> dict[str, dict[str, ModeResult]]:
     """{"sync" | "periodic": {"sagc" | "fixed_<G>": ModeResult}} for SAGC and every candidate G,
     on the same length stream. With `calibrate_hours`, the time unit is scaled so that the
     largest fixed G in sync mode takes exactly that many hours (default: the paper's 29.50 h)."""
     controllers: dict[str, GroupSizeController] = {"sagc": SAGCController(settings)}
     for g in settings.candidates:
         controllers[f"fixed_{g}"] = FixedController(g, tau=settings.tau)
-    traces = {name: run_workload(c, workload, rng=np.random.default_rng([seed, 1]))
-              for name, c in controllers.items()}
+    traces = {name: run_workload(c, workload, rng=np.random.default_rng([seed, 1])) for name, c in controllers.items()}
     scale = 1.0
     if calibrate_hours is not None:
         scale = calibrate_hours * 3600.0 / traces[f"fixed_{settings.candidates[-1]}"].sync_s
@@ -197,9 +210,15 @@ def compare_on_workload(settings: SAGCSettings, workload: Workload, *, seed: int
     }
 
 
-def calibrate_response_sigma(*, target: float = PAPER_FIXED_G16_STRAGGLER_RATE,
-                             group_size: int = 16, tau: float = 3.0, steps: int = 2000,
-                             seed: int = 0, workload: Workload | None = None) -> float:
+def calibrate_response_sigma(
+    *,
+    target: float = PAPER_FIXED_G16_STRAGGLER_RATE,
+    group_size: int = 16,
+    tau: float = 3.0,
+    steps: int = 2000,
+    seed: int = 0,
+    workload: Workload | None = None,
+) -> float:
     """response_sigma at which fixed `group_size` straggles on `target` of steps (bisection on
     common random numbers: the same normal draws for every sigma)."""
     w = workload or Workload()

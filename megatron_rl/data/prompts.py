@@ -33,8 +33,11 @@ class DataReport:
     prompts: int  # prompts kept for training
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, float]:
-        return {f"{prefix}prompts": float(self.prompts), f"{prefix}bad_rows": float(len(self.bad_rows)),
-                f"{prefix}too_long": float(len(self.too_long))}
+        return {
+            f"{prefix}prompts": float(self.prompts),
+            f"{prefix}bad_rows": float(len(self.bad_rows)),
+            f"{prefix}too_long": float(len(self.too_long)),
+        }
 
     def summary(self) -> str:
         """One line: what was kept, and the first culprit of each kind skipped."""
@@ -42,22 +45,48 @@ class DataReport:
         if self.bad_rows:
             parts.append(f"{len(self.bad_rows)} malformed rows skipped (first: {self.bad_rows[0]})")
         if self.too_long:
-            parts.append(f"{len(self.too_long)} prompts longer than max_prompt_tokens skipped "
-                         f"(first: {self.too_long[0]})")
+            parts.append(
+                f"{len(self.too_long)} prompts longer than max_prompt_tokens skipped (first: {self.too_long[0]})"
+            )
         return "; ".join(parts)
 
 
 def load_prompts(
-    source: str, tokenizer: Any, *, max_prompt_tokens: int, chat_template: bool, prompt_key: str = "question",
-    answer_key: str = "answer", size: int | None = None, seed: int = 0, skip_bad_rows: bool = True,
+    source: str,
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    chat_template: bool,
+    prompt_key: str = "question",
+    answer_key: str = "answer",
+    size: int | None = None,
+    seed: int = 0,
+    skip_bad_rows: bool = True,
     options: Mapping[str, Any] | None = None,
     instruction: str | None = ANSWER_INSTRUCTION,
 ) -> tuple[list[TokenizedPrompt], DataReport]:
     """The tokenized prompts of `source` and the `DataReport` (see module doc)."""
-    read = read_records(source, prompt_key=prompt_key, answer_key=answer_key, size=size, seed=seed,
-                        skip_bad_rows=skip_bad_rows, options=options)
-    tokenized = tokenize_records(read.records, tokenizer, chat_template=chat_template,
-                                 max_prompt_tokens=max_prompt_tokens, instruction=instruction)
-    report = DataReport(source=source, records=len(read.records), bad_rows=tuple(read.bad_rows),
-                        too_long=tuple(tokenized.dropped_ids), prompts=len(tokenized.prompts))
+    read = read_records(
+        source,
+        prompt_key=prompt_key,
+        answer_key=answer_key,
+        size=size,
+        seed=seed,
+        skip_bad_rows=skip_bad_rows,
+        options=options,
+    )
+    tokenized = tokenize_records(
+        read.records,
+        tokenizer,
+        chat_template=chat_template,
+        max_prompt_tokens=max_prompt_tokens,
+        instruction=instruction,
+    )
+    report = DataReport(
+        source=source,
+        records=len(read.records),
+        bad_rows=tuple(read.bad_rows),
+        too_long=tuple(tokenized.dropped_ids),
+        prompts=len(tokenized.prompts),
+    )
     return tokenized.prompts, report

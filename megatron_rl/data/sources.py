@@ -50,16 +50,26 @@ class SourceRecords:
 
 
 def load_records(
-    source: str, *, prompt_key: str = "question", answer_key: str = "answer",
-    size: int | None = None, seed: int = 0,
+    source: str,
+    *,
+    prompt_key: str = "question",
+    answer_key: str = "answer",
+    size: int | None = None,
+    seed: int = 0,
 ) -> list[PromptRecord]:
     """Records of `source` (see module doc); `size` is required for reasoning_gym."""
     return read_records(source, prompt_key=prompt_key, answer_key=answer_key, size=size, seed=seed).records
 
 
 def read_records(
-    source: str, *, prompt_key: str = "question", answer_key: str = "answer",
-    size: int | None = None, seed: int = 0, skip_bad_rows: bool = False, options: Mapping[str, Any] | None = None,
+    source: str,
+    *,
+    prompt_key: str = "question",
+    answer_key: str = "answer",
+    size: int | None = None,
+    seed: int = 0,
+    skip_bad_rows: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> SourceRecords:
     """`load_records`, optionally skipping (and reporting) malformed rows instead of raising."""
     if size is not None:
@@ -76,8 +86,9 @@ def read_records(
         what = f"all {len(out.bad_rows)} rows are malformed (first: {out.bad_rows[0]})" if out.bad_rows else "no rows"
         raise ValueError(f"data source {source!r}: {what}")
     if out.bad_rows:
-        logger.warning("data source %s: skipped %d malformed rows (first: %s)", source, len(out.bad_rows),
-                       out.bad_rows[0])
+        logger.warning(
+            "data source %s: skipped %d malformed rows (first: %s)", source, len(out.bad_rows), out.bad_rows[0]
+        )
     return out
 
 
@@ -91,8 +102,11 @@ def _file_records(path: Path, prompt_key: str, answer_key: str, size: int | None
         try:
             if isinstance(row, ValueError):
                 raise row
-            records.append(record_from_row(row, prompt_id=f"{path.name}:{n}", where=where,
-                                           prompt_key=prompt_key, answer_key=answer_key))
+            records.append(
+                record_from_row(
+                    row, prompt_id=f"{path.name}:{n}", where=where, prompt_key=prompt_key, answer_key=answer_key
+                )
+            )
         except ValueError as err:  # one malformed row: its message names file, line and key
             if not skip:
                 raise
@@ -100,8 +114,9 @@ def _file_records(path: Path, prompt_key: str, answer_key: str, size: int | None
     return SourceRecords(records=records, bad_rows=bad)
 
 
-def reasoning_gym_records(name: str, *, size: int | None, seed: int,
-                          options: Mapping[str, Any] | None = None) -> list[PromptRecord]:
+def reasoning_gym_records(
+    name: str, *, size: int | None, seed: int, options: Mapping[str, Any] | None = None
+) -> list[PromptRecord]:
     """`size` generated problems of reasoning_gym dataset `name` (deterministic in `seed`);
     `options` go to its config (e.g. ``min_terms``, ``max_digits``)."""
     if size is None:
@@ -113,14 +128,23 @@ def reasoning_gym_records(name: str, *, size: int | None, seed: int,
     except (ValueError, TypeError, AssertionError) as err:  # unknown name or option, bad option value
         raise ValueError(f"data source 'reasoning_gym:{name}' (data.options {dict(options or {})}): {err}") from err
     return [
-        PromptRecord(prompt_id=f"{name}:{seed}:{i}", text=entry["question"], answer=str(entry["answer"]),
-                     metadata={"reasoning_gym": name, "entry": entry})
+        PromptRecord(
+            prompt_id=f"{name}:{seed}:{i}",
+            text=entry["question"],
+            answer=str(entry["answer"]),
+            metadata={"reasoning_gym": name, "entry": entry},
+        )
         for i, entry in enumerate(dataset)
     ]
 
 
 def record_from_row(
-    row: Mapping[str, Any], *, prompt_id: str, where: str, prompt_key: str, answer_key: str,
+    row: Mapping[str, Any],
+    *,
+    prompt_id: str,
+    where: str,
+    prompt_key: str,
+    answer_key: str,
 ) -> PromptRecord:
     """One file row -> PromptRecord; a ValueError starts with `where` ("file:line") and names the key."""
     for key, what in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
@@ -128,8 +152,7 @@ def record_from_row(
             raise ValueError(f"{where}: missing key {key!r} ({what}); keys present: {sorted(row)}")
     prompt, answer = row[prompt_key], row[answer_key]
     if isinstance(answer, bool) or not isinstance(answer, str | numbers.Number):
-        raise ValueError(f"{where}: answer {answer_key!r} must be a string or a number, "
-                         f"got {type(answer).__name__}")
+        raise ValueError(f"{where}: answer {answer_key!r} must be a string or a number, got {type(answer).__name__}")
     metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
     if isinstance(prompt, str):
         return PromptRecord(prompt_id=prompt_id, text=prompt, answer=str(answer), metadata=metadata)
@@ -143,8 +166,10 @@ def record_from_row(
 def _messages(value: Any, where: str, key: str) -> tuple[ChatMessage, ...]:
     """A list of {"role", "content"} objects -> ChatMessages (ValueError otherwise)."""
     if not isinstance(value, list | tuple) or not all(isinstance(m, Mapping) for m in value):
-        raise ValueError(f"{where}: prompt {key!r} must be a string or a list of "
-                         f"{{'role', 'content'}} objects, got {type(value).__name__}")
+        raise ValueError(
+            f"{where}: prompt {key!r} must be a string or a list of "
+            f"{{'role', 'content'}} objects, got {type(value).__name__}"
+        )
     try:
         return tuple(ChatMessage(role=m.get("role"), content=m.get("content")) for m in value)
     except ValueError as err:

@@ -27,8 +27,10 @@ class PromptStream(Generic[T]):
     def __init__(self, items: Sequence[T], *, prompts_per_batch: int, seed: int) -> None:
         require_values({"trainer.prompts_per_batch": prompts_per_batch})  # the config's rule
         if prompts_per_batch > len(items):
-            raise ValueError(f"prompts_per_batch ({prompts_per_batch}) exceeds the number of prompts "
-                             f"({len(items)}): a batch would repeat a prompt")
+            raise ValueError(
+                f"prompts_per_batch ({prompts_per_batch}) exceeds the number of prompts "
+                f"({len(items)}): a batch would repeat a prompt"
+            )
         self._items, self._batch, self._seed = list(items), prompts_per_batch, seed
         self._epoch, self._position = 0, 0
         self._order = self._permutation(0)
@@ -41,7 +43,7 @@ class PromptStream(Generic[T]):
         batch = []
         while len(batch) < self._batch:
             take = min(self._batch - len(batch), len(self._order) - self._position)
-            batch += [self._items[i] for i in self._order[self._position:self._position + take]]
+            batch += [self._items[i] for i in self._order[self._position : self._position + take]]
             self._position += take
             if self._position == len(self._order):
                 self._epoch, self._position = self._epoch + 1, 0

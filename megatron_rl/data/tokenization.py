@@ -47,7 +47,11 @@ def render_chat(record: PromptRecord, *, instruction: str | None = ANSWER_INSTRU
 
 
 def tokenize_prompt(
-    record: PromptRecord, tokenizer: Any, *, chat_template: bool, max_prompt_tokens: int,
+    record: PromptRecord,
+    tokenizer: Any,
+    *,
+    chat_template: bool,
+    max_prompt_tokens: int,
     instruction: str | None = ANSWER_INSTRUCTION,
 ) -> list[int] | None:
     """Prompt token ids [prompt_len] of `record` (see module doc); None if longer than max_prompt_tokens."""
@@ -56,10 +60,13 @@ def tokenize_prompt(
     chat = render_chat(record, instruction=instruction)
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat_template=True but the tokenizer has no chat template: "
-                             "set data.chat_template=false or use an instruct tokenizer")
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in chat],
-                                             add_generation_prompt=True, tokenize=False)
+            raise ValueError(
+                "chat_template=True but the tokenizer has no chat template: "
+                "set data.chat_template=false or use an instruct tokenizer"
+            )
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in chat], add_generation_prompt=True, tokenize=False
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         if record.messages is not None:
@@ -69,22 +76,34 @@ def tokenize_prompt(
 
 
 def tokenize_records(
-    records: Sequence[PromptRecord], tokenizer: Any, *, chat_template: bool, max_prompt_tokens: int,
+    records: Sequence[PromptRecord],
+    tokenizer: Any,
+    *,
+    chat_template: bool,
+    max_prompt_tokens: int,
     instruction: str | None = ANSWER_INSTRUCTION,
 ) -> TokenizedRecords:
     """Tokenize every record, dropping (and counting, and logging) the over-long ones."""
     kept, dropped = [], []
     for record in records:
-        ids = tokenize_prompt(record, tokenizer, chat_template=chat_template,
-                              max_prompt_tokens=max_prompt_tokens, instruction=instruction)
+        ids = tokenize_prompt(
+            record, tokenizer, chat_template=chat_template, max_prompt_tokens=max_prompt_tokens, instruction=instruction
+        )
         if ids is None:
             dropped.append(record.prompt_id)
         else:
             kept.append(TokenizedPrompt(record=record, token_ids=tuple(ids)))
     if dropped:
-        logger.warning("dropped %d of %d prompts longer than max_prompt_tokens=%d (first: %s)",
-                       len(dropped), len(records), max_prompt_tokens, dropped[0])
+        logger.warning(
+            "dropped %d of %d prompts longer than max_prompt_tokens=%d (first: %s)",
+            len(dropped),
+            len(records),
+            max_prompt_tokens,
+            dropped[0],
+        )
     if not kept:
-        raise ValueError(f"every one of the {len(records)} prompts is longer than "
-                         f"max_prompt_tokens={max_prompt_tokens}: raise data.max_prompt_tokens")
+        raise ValueError(
+            f"every one of the {len(records)} prompts is longer than "
+            f"max_prompt_tokens={max_prompt_tokens}: raise data.max_prompt_tokens"
+        )
     return TokenizedRecords(prompts=kept, dropped_ids=dropped)

@@ -100,8 +100,11 @@ def judge_kernel(result: dict, dtype_name: str) -> list[str]:
     if "error" in result:
         return [f"{result['error']['type']}: {result['error']['message'][:200]}"]
     tol = TOLERANCE[dtype_name]
-    return [f"{g} max abs error {err:.2e} > {tol:g} x max(1, {result['ref_abs_max'][g]:.3g})"
-            for g, err in result["max_abs_err"].items() if err > tol * max(1.0, result["ref_abs_max"][g])]
+    return [
+        f"{g} max abs error {err:.2e} > {tol:g} x max(1, {result['ref_abs_max'][g]:.3g})"
+        for g, err in result["max_abs_err"].items()
+        if err > tol * max(1.0, result["ref_abs_max"][g])
+    ]
 
 
 def run_dtype(dtype, shape, device, repeats, reasons: list[str]) -> dict:
@@ -120,8 +123,11 @@ def run_dtype(dtype, shape, device, repeats, reasons: list[str]) -> dict:
         reasons += [f"{name} {name_of}: {m}" for m in missed]
         kernels[name] = {**result, "status": "fail" if missed else "pass"}
     for name, fn in baselines(device, dtype, index, scale).items():
-        base[name] = {"status": "skip", "reason": fn} if isinstance(fn, str) else guarded(
-            baseline_result, fn, x, shape, index, device, repeats)
+        base[name] = (
+            {"status": "skip", "reason": fn}
+            if isinstance(fn, str)
+            else guarded(baseline_result, fn, x, shape, index, device, repeats)
+        )
         if base[name]["status"] == "fail":
             reasons.append(f"baseline {name} {name_of}: {base[name]['error']['type']}")
     best = max((b["tflops"] for b in base.values() if b["status"] == "pass"), default=None)
@@ -136,8 +142,13 @@ def check_attention(opts: CheckOptions) -> dict:
 
     device = setup_platform(opts.device).device
     shape, dtypes, repeats = settings(opts, device)
-    figures: dict = {"shape": asdict(shape), "tokens": shape.layout().total_tokens,
-                     "useful_tflop": shape.useful_flop() / 1e12, "repeats": repeats, "dtypes": {}}
+    figures: dict = {
+        "shape": asdict(shape),
+        "tokens": shape.layout().total_tokens,
+        "useful_tflop": shape.useful_flop() / 1e12,
+        "repeats": repeats,
+        "dtypes": {},
+    }
     reasons: list[str] = []
     for dtype in dtypes:
         figures["dtypes"][str(dtype).removeprefix("torch.")] = run_dtype(dtype, shape, device, repeats, reasons)

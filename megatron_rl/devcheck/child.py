@@ -30,9 +30,14 @@ def check_function(name: str) -> Callable[[CheckOptions], dict]:
         return check_attention
     from megatron_rl.devcheck import rl, rl_dist
 
-    return {"rl_hf": rl.check_rl_hf, "resume": rl.check_resume, "rl_vllm": rl.check_rl_vllm,
-            "rl_dist": rl_dist.check_rl_dist, "resume_dist": rl_dist.check_resume_dist,
-            "rl_vllm_tp2": rl_dist.check_rl_vllm_tp2}[name]
+    return {
+        "rl_hf": rl.check_rl_hf,
+        "resume": rl.check_resume,
+        "rl_vllm": rl.check_rl_vllm,
+        "rl_dist": rl_dist.check_rl_dist,
+        "resume_dist": rl_dist.check_resume_dist,
+        "rl_vllm_tp2": rl_dist.check_rl_vllm_tp2,
+    }[name]
 
 
 def run_check(name: str, opts: CheckOptions) -> dict:

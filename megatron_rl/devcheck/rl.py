@@ -26,11 +26,17 @@ from megatron_rl.devcheck.outcome import CheckOptions, judged, skipped
 RESUME_TOLERANCE = 1e-3  # max |resumed - straight| / max |step-3 change|, any tensor
 FP32_LOGPROB_GAP = 1e-3  # mismatch/logprob_abs_diff_mean of an fp32 engine (~1e-6 when right)
 BF16_KL = 0.05  # mismatch/kl_k3 of a bf16 engine (algorithm.mismatch_alarm's default)
-STEP_KEYS = {"loss/value": "loss", "rollout/reward_mean": "reward", "time/step_s": "step_s",
-             "throughput/tokens_per_s_per_device": "tokens_per_s_per_device",
-             "rollout/response_len_max": "response_len_max",
-             "mismatch/logprob_abs_diff_mean": "logprob_gap_mean", "mismatch/kl_k3": "kl_k3",
-             "memory/peak_gb": "peak_gb", "memory/device_peak_gb": "device_peak_gb"}
+STEP_KEYS = {
+    "loss/value": "loss",
+    "rollout/reward_mean": "reward",
+    "time/step_s": "step_s",
+    "throughput/tokens_per_s_per_device": "tokens_per_s_per_device",
+    "rollout/response_len_max": "response_len_max",
+    "mismatch/logprob_abs_diff_mean": "logprob_gap_mean",
+    "mismatch/kl_k3": "kl_k3",
+    "memory/peak_gb": "peak_gb",
+    "memory/device_peak_gb": "device_peak_gb",
+}
 
 
 def digit_share_reward(record, response_text: str) -> float:
@@ -51,8 +57,12 @@ def tiny_model(opts: CheckOptions) -> Path:
 def engine_section(opts: CheckOptions, engine: str, devices: str = "0") -> dict:
     """One engine on ``devices`` (ids; device 0 is the trainer's); vLLM in bf16 on devices, with a
     small memory share."""
-    section: dict = {"engine": engine, "num_engines": 1, "max_batch_size": 16,
-                     "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": 3}}
+    section: dict = {
+        "engine": engine,
+        "num_engines": 1,
+        "max_batch_size": 16,
+        "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": 3},
+    }
     if opts.accelerator:
         section["devices"] = [f"{opts.device}:{devices}"]
     if engine == "vllm":
@@ -73,11 +83,24 @@ def write_config(opts: CheckOptions, name: str, engine: str, steps: int, *, extr
         "rollout": engine_section(opts, engine),
         "pipeline": {"mode": "periodic", "micro_batch_tokens": 256},
         "control": {"kind": "fixed", "group_size": 4},
-        "data": {"source": "reasoning_gym:basic_arithmetic", "size": 32, "seed": 1, "chat_template": False,
-                 "max_prompt_tokens": 128},
+        "data": {
+            "source": "reasoning_gym:basic_arithmetic",
+            "size": 32,
+            "seed": 1,
+            "chat_template": False,
+            "max_prompt_tokens": 128,
+        },
         "reward": {"fn": "megatron_rl.devcheck.rl:digit_share_reward"},
-        "trainer": {"steps": steps, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3, "seed": 5,
-                    "save_dir": str(opts.work / name), "save_every": 1, "log_dir": str(opts.work / f"{name}_logs")},
+        "trainer": {
+            "steps": steps,
+            "prompts_per_batch": 4,
+            "lr": 1e-2,
+            "adam_eps": 1e-3,
+            "seed": 5,
+            "save_dir": str(opts.work / name),
+            "save_every": 1,
+            "log_dir": str(opts.work / f"{name}_logs"),
+        },
     }
     for section, values in (extra or {}).items():
         cfg[section] = {**cfg.get(section, {}), **values}
@@ -148,16 +171,24 @@ def resume_figures(straight: Path, resumed: Path, step: int) -> tuple[dict, list
     want, got = load_weights(straight / f"step_{step}" / "model"), load_weights(resumed / f"step_{step}" / "model")
     change, diff = max_change(want, before), max_change(got, want)
     rel = diff / max(change, 1e-12)
-    reasons = [] if rel <= RESUME_TOLERANCE else [
-        f"resumed step {step} differs from the straight run by {rel:.2e} of the step's change "
-        f"(> {RESUME_TOLERANCE}): checkpoint state (weights, Adam, data stream, seeds) not restored"]
+    reasons = (
+        []
+        if rel <= RESUME_TOLERANCE
+        else [
+            f"resumed step {step} differs from the straight run by {rel:.2e} of the step's change "
+            f"(> {RESUME_TOLERANCE}): checkpoint state (weights, Adam, data stream, seeds) not restored"
+        ]
+    )
     return {"max_abs_diff": diff, f"step{step}_change": change, "rel_diff": rel, "tolerance": RESUME_TOLERANCE}, reasons
 
 
 def resume_overrides(opts: CheckOptions, straight: Path, step: int, name: str) -> list[str]:
     """Continue ``straight``'s ``step_<step>`` checkpoint, writing under ``<workdir>/<name>``."""
-    return [f"trainer.resume_from={straight / f'step_{step}'}", f"trainer.save_dir={opts.work / name}",
-            f"trainer.log_dir={opts.work / f'{name}_logs'}"]
+    return [
+        f"trainer.resume_from={straight / f'step_{step}'}",
+        f"trainer.save_dir={opts.work / name}",
+        f"trainer.log_dir={opts.work / f'{name}_logs'}",
+    ]
 
 
 def check_resume(opts: CheckOptions) -> dict:
@@ -184,5 +215,7 @@ def check_rl_vllm(opts: CheckOptions) -> dict:
         return skipped(reason)
     bf16 = opts.accelerator
     history = train_run(opts, write_config(opts, "rl_vllm", "vllm", steps=2))
-    return judged({"engine_dtype": "bfloat16" if bf16 else "float32", "steps": step_figures(history)},
-                  judge_steps(history, 2, bf16_engine=bf16))
+    return judged(
+        {"engine_dtype": "bfloat16" if bf16 else "float32", "steps": step_figures(history)},
+        judge_steps(history, 2, bf16_engine=bf16),
+    )

@@ -80,8 +80,12 @@ def dist_config(opts: CheckOptions, name: str, engine: str, *, engine_devices: s
         rollout["devices"] = [f"{opts.device}:{engine_devices}"]
     # sync mode: micro-batches packed in prompt order, so a resumed step sums its bf16 gradients in
     # the straight run's order (periodic packs in arrival order: two straight runs differ by ~1 bf16 ulp)
-    extra = {"model": {"dtype": "bfloat16"}, "rollout": rollout, "pipeline": {"mode": "sync"},
-             "parallel": {"distributed_optimizer": True, "timeout_s": WORLD_TIMEOUT_S}}
+    extra = {
+        "model": {"dtype": "bfloat16"},
+        "rollout": rollout,
+        "pipeline": {"mode": "sync"},
+        "parallel": {"distributed_optimizer": True, "timeout_s": WORLD_TIMEOUT_S},
+    }
     return write_config(opts, name, engine, 2, extra=extra)
 
 
@@ -100,16 +104,30 @@ def run_world(opts: CheckOptions, config: Path, name: str, overrides: list[str] 
     ``torchrun -m megatron_rl train`` runs it; the per-step metrics rank 0 logged."""
     log_dir, ranks_log = opts.work / f"{name}_logs", opts.work / "logs" / f"{name}_ranks.log"
     shutil.rmtree(log_dir, ignore_errors=True)  # metrics.jsonl is appended to
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           "-m", "megatron_rl", "train", str(config), *opts.overrides, *overrides, f"trainer.log_dir={log_dir}",
-           "--platform", opts.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        "-m",
+        "megatron_rl",
+        "train",
+        str(config),
+        *opts.overrides,
+        *overrides,
+        f"trainer.log_dir={log_dir}",
+        "--platform",
+        opts.device,
+    ]
     print("[rl_dist] " + " ".join(cmd), flush=True)
     with ranks_log.open("w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     if code != 0:
         error = first_rank_error(ranks_log.read_text(errors="replace")) or "no error line found"
-        raise WorldFailed(f"the {WORLD}-rank world exited with status {code}; first error: {error} "
-                          f"(every rank's output: {ranks_log})")
+        raise WorldFailed(
+            f"the {WORLD}-rank world exited with status {code}; first error: {error} (every rank's output: {ranks_log})"
+        )
     metrics = log_dir / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
@@ -126,8 +144,10 @@ def master_weight_reasons(dtypes: dict) -> list[str]:
     """A model not in fp32 (bf16 unless ``--set model.dtype=float32``) must have saved fp32 master weights."""
     if dtypes["model_dtypes"] == ["float32"] or dtypes["master_dtypes"] == ["float32"]:
         return []
-    return [f"optimizer master weights {dtypes['master_dtypes']}, expected fp32 copies of the "
-            f"{dtypes['model_dtypes']} model"]
+    return [
+        f"optimizer master weights {dtypes['master_dtypes']}, expected fp32 copies of the "
+        f"{dtypes['model_dtypes']} model"
+    ]
 
 
 def check_rl_dist(opts: CheckOptions) -> dict:
@@ -150,11 +170,13 @@ def check_resume_dist(opts: CheckOptions) -> dict:
     straight = opts.work / "rl_dist"
     if not (straight / "step_2" / "model").is_dir() or not (straight / "step_1").is_dir():
         return skipped("needs rl_dist's checkpoints (rl_dist was skipped or failed)")
-    history = run_world(opts, opts.work / "rl_dist.yaml", "resume_dist",
-                        resume_overrides(opts, straight, 1, "resume_dist"))
+    history = run_world(
+        opts, opts.work / "rl_dist.yaml", "resume_dist", resume_overrides(opts, straight, 1, "resume_dist")
+    )
     figures, reasons = resume_figures(straight, opts.work / "resume_dist", 2)
-    return judged({"world": WORLD, "steps": step_figures(history), **figures},
-                  judge_steps(history, 1, bf16_engine=True) + reasons)
+    return judged(
+        {"world": WORLD, "steps": step_figures(history), **figures}, judge_steps(history, 1, bf16_engine=True) + reasons
+    )
 
 
 def check_rl_vllm_tp2(opts: CheckOptions) -> dict:
@@ -164,5 +186,6 @@ def check_rl_vllm_tp2(opts: CheckOptions) -> dict:
     if reason := vllm_missing(opts.device) or too_few_devices(opts, 4, "2 training ranks + a TP-2 engine"):
         return skipped(reason)
     history = run_world(opts, dist_config(opts, "rl_vllm_tp2", "vllm", engine_devices="2,3", tp=2), "rl_vllm_tp2")
-    return judged({"world": WORLD, "engine_tp": 2, "steps": step_figures(history)},
-                  judge_steps(history, 2, bf16_engine=True))
+    return judged(
+        {"world": WORLD, "engine_tp": 2, "steps": step_figures(history)}, judge_steps(history, 2, bf16_engine=True)
+    )

@@ -23,23 +23,39 @@ from megatron_rl.devcheck import CHECKS, DEVICES
 from megatron_rl.devcheck.outcome import CheckOptions, skipped
 
 # seconds a check may take at most on a device (the whole run is also capped by --budget-s)
-CHECK_LIMIT_S = {"environment": 120, "attention": 300, "rl_hf": 300, "resume": 180, "rl_vllm": 360,
-                 "rl_dist": 420, "resume_dist": 300, "rl_vllm_tp2": 480}
+CHECK_LIMIT_S = {
+    "environment": 120,
+    "attention": 300,
+    "rl_hf": 300,
+    "resume": 180,
+    "rl_vllm": 360,
+    "rl_dist": 420,
+    "resume_dist": 300,
+    "rl_vllm_tp2": 480,
+}
 LOG_TAIL_LINES = 25
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="tools/device_check.py",
-                                description="First run on a device: environment, attention kernels, a tiny RL "
-                                            "run with checkpoint resume; one JSON line, exit 0 when nothing fails.")
+    p = argparse.ArgumentParser(
+        prog="tools/device_check.py",
+        description="First run on a device: environment, attention kernels, a tiny RL "
+        "run with checkpoint resume; one JSON line, exit 0 when nothing fails.",
+    )
     p.add_argument("--device", required=True, choices=DEVICES)
     p.add_argument("--skip", default="", help=f"comma-separated checks to skip, of: {','.join(CHECKS)}")
     p.add_argument("--out", default=None, help="also write the JSON report to this file")
     p.add_argument("--quick", action="store_true", help="tiny attention shapes on a device (always tiny on cpu)")
     p.add_argument("--workdir", default=None, help="models, checkpoints, logs (default: a new temp dir, kept)")
     p.add_argument("--budget-s", type=float, default=900.0, help="start no check after this many seconds")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of the RL checks' own YAML (repeatable), e.g. --set attention.backend=split")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the RL checks' own YAML (repeatable), e.g. --set attention.backend=split",
+    )
     args = p.parse_args(argv)
     unknown = sorted(set(filter(None, args.skip.split(","))) - set(CHECKS))
     if unknown:
@@ -83,8 +99,12 @@ def run_child(name: str, opts: CheckOptions, timeout_s: float) -> dict:
     if result_file.is_file():
         return {**json.loads(result_file.read_text()), "log": str(log)}
     how = f"timed out after {timeout_s:.0f} s" if timed_out else f"process died with exit code {code}"
-    return {"status": "fail", "seconds": round(time.perf_counter() - start, 2), "log": str(log),
-            "error": {"type": "Crash", "message": how, "last_frame": None, "log_tail": log_tail(log)}}
+    return {
+        "status": "fail",
+        "seconds": round(time.perf_counter() - start, 2),
+        "log": str(log),
+        "error": {"type": "Crash", "message": how, "last_frame": None, "log_tail": log_tail(log)},
+    }
 
 
 def thresholds() -> dict:
@@ -92,8 +112,12 @@ def thresholds() -> dict:
     from megatron_rl.devcheck import rl
     from megatron_rl.devcheck.attention import TOLERANCE
 
-    return {"attention_rel_tolerance": TOLERANCE, "resume_rel_tolerance": rl.RESUME_TOLERANCE,
-            "fp32_engine_logprob_gap_mean": rl.FP32_LOGPROB_GAP, "bf16_engine_kl_k3": rl.BF16_KL}
+    return {
+        "attention_rel_tolerance": TOLERANCE,
+        "resume_rel_tolerance": rl.RESUME_TOLERANCE,
+        "fp32_engine_logprob_gap_mean": rl.FP32_LOGPROB_GAP,
+        "bf16_engine_kl_k3": rl.BF16_KL,
+    }
 
 
 def run_checks(args: argparse.Namespace, opts: CheckOptions) -> dict[str, dict]:
@@ -110,8 +134,11 @@ def run_checks(args: argparse.Namespace, opts: CheckOptions) -> dict[str, dict]:
             results[name] = run_child(name, opts, min(CHECK_LIMIT_S[name], left))
         if results[name].get("device_available") is False:  # the environment check found no such device
             gone = results[name].get("reason") or f"environment failed: {results[name]['reasons'][0]}"
-        print(f"[device_check] {name}: {results[name]['status']} ({results[name].get('seconds', 0)} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[device_check] {name}: {results[name]['status']} ({results[name].get('seconds', 0)} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
@@ -127,10 +154,16 @@ def main(argv=None) -> int:
     opts = CheckOptions(device=args.device, quick=args.quick, workdir=str(workdir), overrides=tuple(args.overrides))
     start = time.perf_counter()
     results = run_checks(args, opts)
-    report = {"device": args.device, "status": overall(results), "overrides": args.overrides,
-              "summary": {name: r["status"] for name, r in results.items()},
-              "seconds": round(time.perf_counter() - start, 1), "workdir": str(workdir),
-              "thresholds": thresholds(), "checks": results}
+    report = {
+        "device": args.device,
+        "status": overall(results),
+        "overrides": args.overrides,
+        "summary": {name: r["status"] for name, r in results.items()},
+        "seconds": round(time.perf_counter() - start, 1),
+        "workdir": str(workdir),
+        "thresholds": thresholds(),
+        "checks": results,
+    }
     line = json.dumps(report)
     print(line, flush=True)
     if args.out:

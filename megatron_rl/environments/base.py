@@ -66,5 +66,10 @@ def record_fields(record: PromptRecord, *, instruction: str | None = None) -> di
     question = chat[-1]["content"]
     if instruction:
         chat[-1] = {"role": "user", "content": f"{question}\n\n{instruction}"}
-    return {"prompt_id": record.prompt_id, "answer": record.answer, "question": question,
-            "messages": chat, "metadata": record.metadata}
+    return {
+        "prompt_id": record.prompt_id,
+        "answer": record.answer,
+        "question": question,
+        "messages": chat,
+        "metadata": record.metadata,
+    }

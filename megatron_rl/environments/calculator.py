@@ -20,13 +20,20 @@ MAX_EXPRESSION_CHARS = 2000
 MAX_RESULT_DIGITS = 4000  # integers longer than this are refused (a ** b can be made huge cheaply)
 MAX_EXPONENT = 10_000
 
-CALCULATOR_TOOL: dict[str, Any] = {"type": "function", "function": {
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression exactly. Supports + - * / // % ** and parentheses, "
-                   "integers and decimals, and abs, round, min, max, sqrt.",
-    "parameters": {"type": "object", "properties": {
-        "expression": {"type": "string", "description": "the expression, e.g. (123456 * 789) - 42"}},
-        "required": ["expression"]}}}
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression exactly. Supports + - * / // % ** and parentheses, "
+        "integers and decimals, and abs, round, min, max, sqrt.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "the expression, e.g. (123456 * 789) - 42"}},
+            "required": ["expression"],
+        },
+    },
+}
+
 
 class CalculatorError(ValueError):
     """The expression cannot be evaluated; the message is shown to the model."""
@@ -34,7 +41,10 @@ class CalculatorError(ValueError):
 
 Number = int | float
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
 
@@ -45,8 +55,7 @@ def _round(value: Number, ndigits: int | None = None) -> Number:
     return round(value, ndigits)
 
 
-FUNCTIONS: dict[str, Callable[..., Number]] = {"abs": abs, "round": _round, "min": min, "max": max,
-                                               "sqrt": math.sqrt}
+FUNCTIONS: dict[str, Callable[..., Number]] = {"abs": abs, "round": _round, "min": min, "max": max, "sqrt": math.sqrt}
 
 
 def evaluate(expression: str) -> Number:
@@ -80,8 +89,10 @@ def _eval(node: ast.AST) -> Number:
         if node.keywords or not node.args:
             raise CalculatorError(f"{node.func.id}() takes positional numbers only")
         return FUNCTIONS[node.func.id](*(_checked(_eval(arg)) for arg in node.args))
-    raise CalculatorError(f"unsupported element {ast.unparse(node)!r:.60}: only numbers, + - * / // % **, "
-                          f"parentheses and {', '.join(FUNCTIONS)}")
+    raise CalculatorError(
+        f"unsupported element {ast.unparse(node)!r:.60}: only numbers, + - * / // % **, "
+        f"parentheses and {', '.join(FUNCTIONS)}"
+    )
 
 
 def _binary(op: ast.operator, left: Number, right: Number) -> Number:
@@ -90,8 +101,12 @@ def _binary(op: ast.operator, left: Number, right: Number) -> Number:
             return left // right
         return left / right
     if isinstance(op, ast.Pow):
-        if abs(right) > MAX_EXPONENT or (isinstance(left, int) and isinstance(right, int)
-                                         and abs(left) > 1 and right * math.log10(abs(left)) > MAX_RESULT_DIGITS):
+        if abs(right) > MAX_EXPONENT or (
+            isinstance(left, int)
+            and isinstance(right, int)
+            and abs(left) > 1
+            and right * math.log10(abs(left)) > MAX_RESULT_DIGITS
+        ):
             raise CalculatorError("exponent too large")
         return left**right
     if type(op) in _BINARY:

@@ -37,8 +37,9 @@ def load_environment(spec: str, **options: Any) -> EnvironmentFactory:
     if why:
         raise ValueError(f"{KIND_KEY}: {spec!r}: {why}")
     if not callable(target):
-        raise ValueError(f"{KIND_KEY}: {spec!r} is a {type(target).__name__}, not a class or function "
-                         "returning an Environment")
+        raise ValueError(
+            f"{KIND_KEY}: {spec!r} is a {type(target).__name__}, not a class or function returning an Environment"
+        )
     _check_options(spec, target, options)
     factory = functools.partial(target, **options)
     try:
@@ -63,9 +64,13 @@ def _check_instance(spec: str, env: Any) -> None:
     """`env` has tools (a tuple of dicts), reset and step."""
     if not isinstance(env, Environment):
         missing = [name for name in ("tools", "reset", "step") if not hasattr(env, name)]
-        raise ValueError(f"{KIND_KEY}: {spec!r} made a {type(env).__name__}, which is not an Environment "
-                         f"(missing {', '.join(missing)}); see megatron_rl.environments.base")
+        raise ValueError(
+            f"{KIND_KEY}: {spec!r} made a {type(env).__name__}, which is not an Environment "
+            f"(missing {', '.join(missing)}); see megatron_rl.environments.base"
+        )
     bad = not isinstance(env.tools, tuple) or not all(isinstance(t, dict) for t in env.tools)
     if bad or not callable(env.reset) or not callable(env.step):
-        raise ValueError(f"{KIND_KEY}: {spec!r} made a {type(env).__name__} whose tools is not a tuple of "
-                         "JSON-schema dicts or whose reset / step is not a method")
+        raise ValueError(
+            f"{KIND_KEY}: {spec!r} made a {type(env).__name__} whose tools is not a tuple of "
+            "JSON-schema dicts or whose reset / step is not a method"
+        )

@@ -66,8 +66,10 @@ class EnvironmentStats:
 
     def as_metrics(self, prefix: str = "env/") -> dict[str, float]:
         """Flat numbers for the metrics log."""
-        out = {f"{prefix}{name}": float(getattr(self, name))
-               for name in ("resets", "steps", "seconds", "tool_calls", "tool_errors", "abandoned")}
+        out = {
+            f"{prefix}{name}": float(getattr(self, name))
+            for name in ("resets", "steps", "seconds", "tool_calls", "tool_errors", "abandoned")
+        }
         out[f"{prefix}failures"] = float(self.failed)
         return out | {f"{prefix}failures_{kind}": float(n) for kind, n in self.failures.items()}
 
@@ -76,14 +78,17 @@ class EnvironmentRunner:
     """Runs environment calls in a thread pool, guarded (see module doc)."""
 
     def __init__(self, *, timeout_s: float | None, max_failures: int | None, workers: int = 8, name: str = ""):
-        require_values({"environment.max_failures": max_failures}
-                       | ({"environment.step_timeout_s": timeout_s} if timeout_s is not None else {}))
+        require_values(
+            {"environment.max_failures": max_failures}
+            | ({"environment.step_timeout_s": timeout_s} if timeout_s is not None else {})
+        )
         self.timeout_s, self.max_failures, self.name = timeout_s, max_failures, name or "environment"
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
         self._lock = threading.Lock()
         self._counts = {"resets": 0, "steps": 0, "seconds": 0.0, "tool_calls": 0, "tool_errors": 0}
-        self._failures = FailureLog(FAILURE_KINDS, logger=logger, subject=f"environment {self.name}",
-                                    consequence="the trajectory ends")
+        self._failures = FailureLog(
+            FAILURE_KINDS, logger=logger, subject=f"environment {self.name}", consequence="the trajectory ends"
+        )
         self._pending: list[threading.Thread] = []
 
     def submit_reset(self, env: Environment, record: Mapping[str, Any], *, tag: str = "") -> Future[list[Message]]:
@@ -122,8 +127,9 @@ class EnvironmentRunner:
             self._counts["tool_errors"] += value.tool_errors
         return value
 
-    def _guarded(self, fn: Callable[[Any, Any], Any], env: Environment, arg: Any, counter: str,
-                 tag: str) -> tuple[Any, tuple[str, str, str] | None]:
+    def _guarded(
+        self, fn: Callable[[Any, Any], Any], env: Environment, arg: Any, counter: str, tag: str
+    ) -> tuple[Any, tuple[str, str, str] | None]:
         """(value, None) or (None, (kind, message, traceback)); raises past max_failures."""
         self._check_limit()
         start = time.perf_counter()
@@ -150,22 +156,33 @@ class EnvironmentRunner:
     def _check_limit(self) -> None:
         failed = sum(self._failures.counts().values())
         if self.max_failures is not None and failed > self.max_failures:
-            raise EnvironmentFailureLimit(f"{failed} environment calls failed, more than environment.max_failures "
-                                          f"({self.max_failures}); the first: {self._failures.first_error}")
+            raise EnvironmentFailureLimit(
+                f"{failed} environment calls failed, more than environment.max_failures "
+                f"({self.max_failures}); the first: {self._failures.first_error}"
+            )
 
     def stats(self) -> EnvironmentStats:
         """A snapshot of the counters."""
         with self._lock:
             self._pending = [t for t in self._pending if t.is_alive()]
-            return EnvironmentStats(**self._counts, failures=self._failures.counts(),
-                                    first_error=self._failures.first_error,
-                                    abandoned=len(self._pending))
+            return EnvironmentStats(
+                **self._counts,
+                failures=self._failures.counts(),
+                first_error=self._failures.first_error,
+                abandoned=len(self._pending),
+            )
 
 
 def _messages_problem(value: Any) -> tuple[str, str, str] | None:
     """Why a reset's value is not a non-empty list of chat messages, or None."""
-    ok = isinstance(value, list) and bool(value) and all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    ok = (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
     return None if ok else ("bad_result", f"reset returned {value!r:.80}, not a non-empty list of messages", "")
 
 

@@ -48,8 +48,15 @@ logger = logging.getLogger(__name__)
 # dynamic users (61184-65519) and its container ranges (up to 1879048191), below the signed-int edge
 UID_BASE, UID_COUNT = 2_000_000_000, 1024
 UID_BLOCKS = (2**31 - 1 - UID_BASE) // UID_COUNT  # one block per process, chosen by pid
-UNSHARE = (shutil.which("unshare") or "/usr/bin/unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
-           "--kill-child")
+UNSHARE = (
+    shutil.which("unshare") or "/usr/bin/unshare",
+    "--user",
+    "--map-root-user",
+    "--net",
+    "--pid",
+    "--fork",
+    "--kill-child",
+)
 Isolation = Literal["userns", "none"]
 # What util-linux's unshare prints (exit 1) when its child died by SIGKILL: it re-raises the child's
 # signal on itself, and SIGKILL's handler cannot be reset.
@@ -177,16 +184,38 @@ def _workdir(root: Path, uid: int | None) -> Path:
 def _run(argv: list[str], root: Path, work: Path, uid: int | None, limits: SandboxLimits) -> int | None:
     """Start the launcher, wait up to wall_s, kill the session; the exit status (None: killed)."""
     nproc = int(limits.processes) + (0 if uid is not None else _own_task_count())
-    rlimits = {"RLIMIT_CPU": math.ceil(limits.cpu_s), "RLIMIT_AS": int(limits.memory_mb * 2**20),
-               "RLIMIT_NPROC": nproc, "RLIMIT_FSIZE": int(limits.file_mb * 2**20), "RLIMIT_CORE": 0,
-               "RLIMIT_NOFILE": 256}
+    rlimits = {
+        "RLIMIT_CPU": math.ceil(limits.cpu_s),
+        "RLIMIT_AS": int(limits.memory_mb * 2**20),
+        "RLIMIT_NPROC": nproc,
+        "RLIMIT_FSIZE": int(limits.file_mb * 2**20),
+        "RLIMIT_CORE": 0,
+        "RLIMIT_NOFILE": 256,
+    }
     spec = json.dumps({"uid": uid, "limits": rlimits, "argv": argv})
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with (root / "main.py").open("rb") as code, (root / "stdout").open("wb") as out, \
-            (root / "stderr").open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, spec], cwd=work, env=env,
-                                stdin=code, stdout=out, stderr=err, start_new_session=True)
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(work),
+        "TMPDIR": str(work),
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    with (
+        (root / "main.py").open("rb") as code,
+        (root / "stdout").open("wb") as out,
+        (root / "stderr").open("wb") as err,
+    ):
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, spec],
+            cwd=work,
+            env=env,
+            stdin=code,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             returncode = proc.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
@@ -217,17 +246,26 @@ def _own_task_count() -> int:
     return count
 
 
-def _result(root: Path, returncode: int | None, limits: SandboxLimits, seconds: float, *,
-            network_isolated: bool) -> SandboxResult:
-    (stdout, cut_out), (stderr, cut_err) = (_read_capped(root / name, limits.output_bytes)
-                                            for name in ("stdout", "stderr"))
+def _result(
+    root: Path, returncode: int | None, limits: SandboxLimits, seconds: float, *, network_isolated: bool
+) -> SandboxResult:
+    (stdout, cut_out), (stderr, cut_err) = (
+        _read_capped(root / name, limits.output_bytes) for name in ("stdout", "stderr")
+    )
     if returncode == 1 and stderr.startswith(_UNSHARE_SIGKILL):
         returncode = 128 + signal.SIGKILL  # the code was SIGKILLed (a limit); unshare's own report of it
     error = _error(returncode, limits)
     if error and (root / "stdout").stat().st_size >= int(limits.file_mb * 2**20):  # Python ignores SIGXFSZ: EFBIG
         error = f"output size limit ({limits.file_mb} MB) reached; {error}"
-    return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, error=error,
-                         truncated=cut_out or cut_err, seconds=seconds, network_isolated=network_isolated)
+    return SandboxResult(
+        stdout=stdout,
+        stderr=stderr,
+        returncode=returncode,
+        error=error,
+        truncated=cut_out or cut_err,
+        seconds=seconds,
+        network_isolated=network_isolated,
+    )
 
 
 def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
@@ -244,8 +282,11 @@ def _error(returncode: int | None, limits: SandboxLimits) -> str | None:
     if returncode < 0 or returncode > 128:  # a signal (unshare reports its child's as 128 + n)
         number = -returncode if returncode < 0 else returncode - 128
         name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
-        why = {"SIGXCPU": f"CPU time limit ({limits.cpu_s} s)", "SIGXFSZ": f"file / output size limit "
-               f"({limits.file_mb} MB)", "SIGKILL": "killed (CPU time or memory limit)"}.get(name, "crashed")
+        why = {
+            "SIGXCPU": f"CPU time limit ({limits.cpu_s} s)",
+            "SIGXFSZ": f"file / output size limit ({limits.file_mb} MB)",
+            "SIGKILL": "killed (CPU time or memory limit)",
+        }.get(name, "crashed")
         return f"{why}: terminated by {name}"
     return f"exit code {returncode}"
 
@@ -271,35 +312,46 @@ def setup() -> SandboxSetup:
         for python in candidates:
             if _starts(python, isolation):
                 if isolation == "none":
-                    logger.warning("user namespaces are unavailable (`unshare --user --net` failed): the Python "
-                                   "sandbox runs WITHOUT network isolation; rlimits, the wall clock and the "
-                                   "temporary directory still apply")
+                    logger.warning(
+                        "user namespaces are unavailable (`unshare --user --net` failed): the Python "
+                        "sandbox runs WITHOUT network isolation; rlimits, the wall clock and the "
+                        "temporary directory still apply"
+                    )
                 if python != sys.executable:
-                    logger.info("sandboxed Python runs %s (%s is not executable by the sandbox uid)",
-                                python, sys.executable)
+                    logger.info(
+                        "sandboxed Python runs %s (%s is not executable by the sandbox uid)", python, sys.executable
+                    )
                 return SandboxSetup(isolation=isolation, python=python)
-    raise SandboxUnavailable(f"none of {candidates} starts as uid {UID_BASE} (the sandbox's): "
-                             "install a Python every user may execute")
+    raise SandboxUnavailable(
+        f"none of {candidates} starts as uid {UID_BASE} (the sandbox's): install a Python every user may execute"
+    )
 
 
 def _starts(python: str, isolation: Isolation) -> bool:
     argv = [*(UNSHARE if isolation == "userns" else ()), python, "-I", "-S", "-c", "pass"]
     spec = json.dumps({"uid": UID_BASE if os.geteuid() == 0 else None, "limits": {}, "argv": argv})
     try:
-        done = subprocess.run([sys.executable, "-I", "-S", "-c", _LAUNCHER, spec], capture_output=True, timeout=30,
-                              check=False, cwd="/")
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, spec], capture_output=True, timeout=30, check=False, cwd="/"
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
 
 
-PYTHON_TOOL: dict = {"type": "function", "function": {
-    "name": "python",
-    "description": "Run a Python 3 program (standard library only, no network, a few seconds of CPU) and "
-                   "return what it prints. Use print() to see results.",
-    "parameters": {"type": "object", "properties": {
-        "code": {"type": "string", "description": "the program, e.g. print(123456 * 789)"}},
-        "required": ["code"]}}}
+PYTHON_TOOL: dict = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run a Python 3 program (standard library only, no network, a few seconds of CPU) and "
+        "return what it prints. Use print() to see results.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the program, e.g. print(123456 * 789)"}},
+            "required": ["code"],
+        },
+    },
+}
 
 
 def call_python(arguments: dict, limits: SandboxLimits = SandboxLimits()) -> tuple[str, bool]:

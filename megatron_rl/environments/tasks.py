@@ -62,9 +62,15 @@ class EchoCounter:
 class ToolTask:
     """A question answered with tools, scored on the final turn (see module doc)."""
 
-    def __init__(self, *, tools: Sequence[str] = ("calculator",), max_tool_calls: int = 4,
-                 instruction: str = "Use the tools for every calculation.", sandbox: Mapping[str, Any] | None = None,
-                 demonstration: Sequence[Mapping[str, str]] = ()):
+    def __init__(
+        self,
+        *,
+        tools: Sequence[str] = ("calculator",),
+        max_tool_calls: int = 4,
+        instruction: str = "Use the tools for every calculation.",
+        sandbox: Mapping[str, Any] | None = None,
+        demonstration: Sequence[Mapping[str, str]] = (),
+    ):
         limits = SandboxLimits(**dict(sandbox or {}))  # TypeError on an unknown limit: the loader reports it
         available: dict[str, tuple[dict, ToolFn]] = {
             "calculator": (CALCULATOR_TOOL, call_calculator),
@@ -96,12 +102,15 @@ class ToolTask:
         calls = parse_tool_calls(model_turn)
         if not calls:
             return StepResult(observation=(), done=True, reward=self.score(model_turn))
-        outcomes = [self._call(call) for call in calls[:self.max_tool_calls]]
-        outcomes += [(f"Error: at most {self.max_tool_calls} tool calls per turn; this one was not run", False)
-                     for _ in calls[self.max_tool_calls:]]
+        outcomes = [self._call(call) for call in calls[: self.max_tool_calls]]
+        outcomes += [
+            (f"Error: at most {self.max_tool_calls} tool calls per turn; this one was not run", False)
+            for _ in calls[self.max_tool_calls :]
+        ]
         observation = tuple({"role": "tool", "content": text} for text, _ in outcomes)
-        return StepResult(observation=observation, done=False, tool_calls=len(calls),
-                          tool_errors=sum(not ok for _, ok in outcomes))
+        return StepResult(
+            observation=observation, done=False, tool_calls=len(calls), tool_errors=sum(not ok for _, ok in outcomes)
+        )
 
     def _call(self, call: ToolCall) -> tuple[str, bool]:
         if call.error is not None:
@@ -124,19 +133,36 @@ class ToolTask:
 class CalculatorArithmetic(ToolTask):
     """A `ToolTask` with the calculator tool."""
 
-    def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the calculator tool for every calculation.",
-                 demonstration: Sequence[Mapping[str, str]] = ()):
-        super().__init__(tools=("calculator",), max_tool_calls=max_tool_calls, instruction=instruction,
-                         demonstration=demonstration)
+    def __init__(
+        self,
+        *,
+        max_tool_calls: int = 4,
+        instruction: str = "Use the calculator tool for every calculation.",
+        demonstration: Sequence[Mapping[str, str]] = (),
+    ):
+        super().__init__(
+            tools=("calculator",), max_tool_calls=max_tool_calls, instruction=instruction, demonstration=demonstration
+        )
 
 
 class PythonArithmetic(ToolTask):
     """A `ToolTask` with the sandboxed Python tool (``sandbox``: `SandboxLimits` fields)."""
 
-    def __init__(self, *, max_tool_calls: int = 4, instruction: str = "Use the python tool for every calculation.",
-                 sandbox: Mapping[str, Any] | None = None, demonstration: Sequence[Mapping[str, str]] = ()):
-        super().__init__(tools=("python",), max_tool_calls=max_tool_calls, instruction=instruction, sandbox=sandbox,
-                         demonstration=demonstration)
+    def __init__(
+        self,
+        *,
+        max_tool_calls: int = 4,
+        instruction: str = "Use the python tool for every calculation.",
+        sandbox: Mapping[str, Any] | None = None,
+        demonstration: Sequence[Mapping[str, str]] = (),
+    ):
+        super().__init__(
+            tools=("python",),
+            max_tool_calls=max_tool_calls,
+            instruction=instruction,
+            sandbox=sandbox,
+            demonstration=demonstration,
+        )
 
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -148,7 +174,11 @@ def _chat_messages(messages: Sequence[Mapping[str, str]], name: str) -> tuple[Me
     if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence):
         raise ValueError(f"{name} must be a list of chat messages, got {type(messages).__name__}")
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str) \
-                or set(m) != {"role", "content"}:
+        if (
+            not isinstance(m, Mapping)
+            or m.get("role") not in _ROLES
+            or not isinstance(m.get("content"), str)
+            or set(m) != {"role", "content"}
+        ):
             raise ValueError(f"{name}[{i}] must be {{role: {' | '.join(_ROLES)}, content: <text>}}, got {m!r:.80}")
     return tuple({"role": m["role"], "content": m["content"]} for m in messages)

@@ -32,8 +32,10 @@ from typing import Any
 from megatron_rl.environments.base import Message
 
 _HEAD: tuple[Message, ...] = ({"role": "user", "content": "U"},)  # the fixed dummy conversation
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "d",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe", "description": "d", "parameters": {"type": "object", "properties": {}}},
+}
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.S)
 
 
@@ -50,12 +52,14 @@ class ToolCall:
     error: str | None = None  # why the block is not a valid call
 
 
-def render_ids(tokenizer: Any, messages: Sequence[Message], tools: Sequence[dict], *,
-               generation: bool) -> tuple[int, ...]:
+def render_ids(
+    tokenizer: Any, messages: Sequence[Message], tools: Sequence[dict], *, generation: bool
+) -> tuple[int, ...]:
     """The chat template's token ids for `messages` (tools placed as the template wants)."""
     messages, tools = with_tools(tokenizer, messages, tools)
-    out = tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, tokenize=True,
-                                        add_generation_prompt=generation, return_dict=True)
+    out = tokenizer.apply_chat_template(
+        list(messages), tools=list(tools) or None, tokenize=True, add_generation_prompt=generation, return_dict=True
+    )
     return tuple(int(i) for i in out["input_ids"])
 
 
@@ -81,20 +85,28 @@ def _after_assistant(tokenizer: Any, observation: tuple[Message, ...], tools: tu
     """Ids from the token closing a dummy assistant turn through `observation` and the next
     generation header; TemplateError if the template is not prefix-stable."""
     prompt, header = _head(tokenizer, tokenizer.chat_template, json.dumps(tools))  # key order kept: it is rendered
-    full, other = (render_text(tokenizer, [*_HEAD, {"role": "assistant", "content": text}, *observation], tools,
-                               generation=True) for text in ("A", "B"))
+    full, other = (
+        render_text(tokenizer, [*_HEAD, {"role": "assistant", "content": text}, *observation], tools, generation=True)
+        for text in ("A", "B")
+    )
     if not full.startswith(prompt):
-        raise TemplateError("chat template is not prefix-stable: the prompt rendered with the generation "
-                            "header is not a prefix of the conversation continued by an assistant turn")
+        raise TemplateError(
+            "chat template is not prefix-stable: the prompt rendered with the generation "
+            "header is not a prefix of the conversation continued by an assistant turn"
+        )
     if not header or not full.endswith(header):
-        raise TemplateError(f"chat template does not end the observation {list(observation)!r:.200} with the "
-                            f"assistant generation header {header!r} it puts after a prompt")
-    tail = full[len(full) - _common_suffix(full, other):]  # text after the assistant's content
+        raise TemplateError(
+            f"chat template does not end the observation {list(observation)!r:.200} with the "
+            f"assistant generation header {header!r} it puts after a prompt"
+        )
+    tail = full[len(full) - _common_suffix(full, other) :]  # text after the assistant's content
     ids = tuple(tokenizer(tail, add_special_tokens=False)["input_ids"])
     in_context = tuple(tokenizer(full, add_special_tokens=False)["input_ids"])
-    if len(ids) < 2 or in_context[-len(ids):] != ids or ids[0] not in special_ids(tokenizer):
-        raise TemplateError(f"chat template: the text after an assistant turn ({tail!r:.200}) does not start with "
-                            "one end-of-turn token or tokenizes differently in context")
+    if len(ids) < 2 or in_context[-len(ids) :] != ids or ids[0] not in special_ids(tokenizer):
+        raise TemplateError(
+            f"chat template: the text after an assistant turn ({tail!r:.200}) does not start with "
+            "one end-of-turn token or tokenizes differently in context"
+        )
     return ids
 
 
@@ -103,7 +115,7 @@ def _head(tokenizer: Any, template: str, tools_json: str) -> tuple[str, str]:
     """(the dummy prompt with its generation header, that header) for this template and tools."""
     tools = json.loads(tools_json)
     prompt = render_text(tokenizer, _HEAD, tools, generation=True)
-    return prompt, prompt[len(render_text(tokenizer, _HEAD, tools, generation=False)):]
+    return prompt, prompt[len(render_text(tokenizer, _HEAD, tools, generation=False)) :]
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
@@ -114,8 +126,9 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
 def render_text(tokenizer: Any, messages: Sequence[Message], tools: Sequence[dict], *, generation: bool) -> str:
     """The chat template's text for `messages` (tools placed as the template wants)."""
     messages, tools = with_tools(tokenizer, messages, tools)
-    return tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, tokenize=False,
-                                         add_generation_prompt=generation)
+    return tokenizer.apply_chat_template(
+        list(messages), tools=list(tools) or None, tokenize=False, add_generation_prompt=generation
+    )
 
 
 def _common_suffix(a: Sequence, b: Sequence) -> int:
@@ -125,8 +138,7 @@ def _common_suffix(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def with_tools(tokenizer: Any, messages: Sequence[Message],
-               tools: Sequence[dict]) -> tuple[list[Message], list[dict]]:
+def with_tools(tokenizer: Any, messages: Sequence[Message], tools: Sequence[dict]) -> tuple[list[Message], list[dict]]:
     """(messages, tools) to render: unchanged when the template renders tools, else the tools
     moved into the system message as a Hermes-style block."""
     if not tools or renders_tools(tokenizer):
@@ -147,19 +159,20 @@ def renders_tools(tokenizer: Any) -> bool:
 def _renders_tools(template: str, tokenizer: Any) -> bool:
     msgs = [{"role": "user", "content": "U"}]
     plain = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return plain != tokenizer.apply_chat_template(msgs, tools=[_PROBE_TOOL], tokenize=False,
-                                                  add_generation_prompt=True)
+    return plain != tokenizer.apply_chat_template(msgs, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
 
 
 def tool_system_prompt(tools: Sequence[dict]) -> str:
     """The Hermes / Qwen2.5 tool block: the schemas in <tools></tools> and the call format."""
     schemas = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{schemas}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{schemas}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:

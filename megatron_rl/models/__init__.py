@@ -39,9 +39,12 @@ def load_model_from_hf(
     from megatron.core import parallel_state
 
     spec = decoder_spec_from_hf(read_hf_config(hf_path))
-    check_parallel_fit(spec, parallel_state.get_tensor_model_parallel_world_size(),
-                       parallel_state.get_pipeline_model_parallel_world_size(),
-                       parallel_state.get_expert_model_parallel_world_size())
+    check_parallel_fit(
+        spec,
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
     model = build_gpt_model(
         spec,
         tp=parallel_state.get_tensor_model_parallel_world_size(),

@@ -24,8 +24,9 @@ def gpt_layer_spec(spec: DecoderSpec, attention_backend: str | None = None, *, s
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     experts = spec.moe.num_experts if sparse and spec.moe is not None else None
-    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm,
-                                     normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+    )
     if attention_backend is not None:
         from megatron_rl.attention.core_attention import SharedPromptCoreAttention
 
@@ -52,7 +53,7 @@ def decoder_block_spec(spec: DecoderSpec, config, attention_backend: str | None 
     moe_off_cuda.apply()
     layers = [gpt_layer_spec(spec, attention_backend, sparse=s) for s in spec.moe.sparse_layers]
     offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=layers[offset:offset + count], layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(layer_specs=layers[offset : offset + count], layer_norm=LayerNormImpl)
 
 
 @functools.cache
@@ -92,9 +93,15 @@ def build_gpt_model(
 
     from megatron_rl.platform import compute_device, to_device_
 
-    config = transformer_config_from_spec(spec, tp=tp, pp=pp, params_dtype=params_dtype, overrides=megatron_overrides,
-                                          moe_losses=moe_losses,
-                                          ep=parallel_state.get_expert_model_parallel_world_size())
+    config = transformer_config_from_spec(
+        spec,
+        tp=tp,
+        pp=pp,
+        params_dtype=params_dtype,
+        overrides=megatron_overrides,
+        moe_losses=moe_losses,
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+    )
     model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=decoder_block_spec(spec, config, attention_backend),

@@ -91,17 +91,24 @@ MOE_RULES = (
         ("model.layers.{i}.{gate}", "model.layers.{i}.{up}"),
         "expert_fc1",
     ),
-    ParamRule("decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight", ("model.layers.{i}.{down}",),
-              "expert_fc2"),
+    ParamRule(
+        "decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight", ("model.layers.{i}.{down}",), "expert_fc2"
+    ),
     ParamRule(
         "decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight",
         ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "model.layers.{i}.mlp.shared_expert.up_proj.weight"),
         "fc1",
     ),
-    ParamRule("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
-              ("model.layers.{i}.mlp.shared_expert.down_proj.weight",), "cols"),
-    ParamRule("decoder.layers.{i}.mlp.shared_experts.gate_weight", ("model.layers.{i}.mlp.shared_expert_gate.weight",),
-              "replicated"),
+    ParamRule(
+        "decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
+        ("model.layers.{i}.mlp.shared_expert.down_proj.weight",),
+        "cols",
+    ),
+    ParamRule(
+        "decoder.layers.{i}.mlp.shared_experts.gate_weight",
+        ("model.layers.{i}.mlp.shared_expert_gate.weight",),
+        "replicated",
+    ),
 )
 GLOBAL_RULES = (
     ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
@@ -164,7 +171,7 @@ def load_names(rule: ParamRule, layer: int | None, spec: DecoderSpec, shard: Sha
     if rule.kind not in EXPERT_KINDS:
         return names
     per = len(names) // rule.ep
-    return names[shard.ep_rank * per:(shard.ep_rank + 1) * per]
+    return names[shard.ep_rank * per : (shard.ep_rank + 1) * per]
 
 
 def _qkv_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: DecoderSpec) -> torch.Tensor:
@@ -214,7 +221,7 @@ def shards_to_hf(rule: ParamRule, shards: Sequence[torch.Tensor], spec: DecoderS
     if rule.kind in EXPERT_KINDS:
         etp = len(shards) // rule.ep
         dense = dataclasses.replace(rule, kind="fc1" if rule.kind == "expert_fc1" else "cols")
-        return tuple(t for e in range(rule.ep) for t in shards_to_hf(dense, shards[e * etp:(e + 1) * etp], spec))
+        return tuple(t for e in range(rule.ep) for t in shards_to_hf(dense, shards[e * etp : (e + 1) * etp], spec))
     if rule.kind == "replicated":
         return (shards[0],)
     if rule.kind == "cols":

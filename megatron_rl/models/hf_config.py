@@ -94,8 +94,8 @@ def decoder_spec_from_hf(cfg: Mapping[str, Any]) -> DecoderSpec:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias",
-                                                       model_type == "qwen2_moe")),
+        qkv_bias=model_type == "qwen2"
+        or bool(cfg.get("qkv_bias" if model_type == "qwen2_moe" else "attention_bias", model_type == "qwen2_moe")),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         moe=moe_spec_from_hf(cfg) if model_type in MOE_MODEL_TYPES else None,

@@ -195,8 +195,11 @@ def save_hf_checkpoint(
         tmp.mkdir(parents=True)
     host_barrier()
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
-    names = _write_stage(model, spec, tmp / file if writer else None, dtype) if (
-        parallel_state.get_expert_data_parallel_rank() == 0) else []
+    names = (
+        _write_stage(model, spec, tmp / file if writer else None, dtype)
+        if (parallel_state.get_expert_data_parallel_rank() == 0)
+        else []
+    )
     entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (file, names) if writer else None, group=host_group())
     if rank0:
@@ -223,8 +226,9 @@ def _write_stage(model: torch.nn.Module, spec: DecoderSpec, path: Path | None, d
     from megatron.core import parallel_state
 
     items = export_items(model, spec)
-    entries = [TensorEntry(n, dtype or it.param.dtype, s) for it in items for n, s in zip(it.names, it.shapes,
-                                                                                           strict=True)]
+    entries = [
+        TensorEntry(n, dtype or it.param.dtype, s) for it in items for n, s in zip(it.names, it.shapes, strict=True)
+    ]
     first_dp = parallel_state.get_data_parallel_rank() == 0
     with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:
         for item in items:

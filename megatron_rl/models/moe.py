@@ -22,13 +22,22 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # HF tensor names of the MoE block per family: router, per-expert (gate, up, down), shared expert.
 _HF_NAMES = {
-    "qwen3_moe": ("mlp.gate.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                                      "mlp.experts.{e}.down_proj.weight")),
-    "qwen2_moe": ("mlp.gate.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                                      "mlp.experts.{e}.down_proj.weight")),
-    "mixtral": ("block_sparse_moe.gate.weight", ("block_sparse_moe.experts.{e}.w1.weight",
-                                                 "block_sparse_moe.experts.{e}.w3.weight",
-                                                 "block_sparse_moe.experts.{e}.w2.weight")),
+    "qwen3_moe": (
+        "mlp.gate.weight",
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    ),
+    "qwen2_moe": (
+        "mlp.gate.weight",
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    ),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        (
+            "block_sparse_moe.experts.{e}.w1.weight",
+            "block_sparse_moe.experts.{e}.w3.weight",
+            "block_sparse_moe.experts.{e}.w2.weight",
+        ),
+    ),
 }
 
 
@@ -69,7 +78,8 @@ def moe_spec_from_hf(cfg: Mapping[str, Any]) -> MoeSpec:
         top_k=int(cfg["num_experts_per_tok"]),
         expert_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
         norm_topk_prob=True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
-        sparse_layers=_sparse_layers(cfg, cfg["num_hidden_layers"]) if model_type != "mixtral"
+        sparse_layers=_sparse_layers(cfg, cfg["num_hidden_layers"])
+        if model_type != "mixtral"
         else (True,) * cfg["num_hidden_layers"],
         shared_expert_ffn_hidden_size=int(shared) if shared else None,
         shared_expert_gate=bool(shared),

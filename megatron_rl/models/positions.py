@@ -11,6 +11,7 @@ no larger than its index in the sequence, so the angle table for ``max_seq_len``
 length megatron passes) covers every position: no device->host read of ``max(position_ids)`` per
 forward (a host sync on an accelerator).
 """
+
 from __future__ import annotations
 
 import torch

@@ -23,9 +23,18 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _ALIGN = 8  # safetensors pads its header so the data starts 8-byte aligned; we do the same
 
 
@@ -50,8 +59,11 @@ def _header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> 
             raise ValueError(f"safetensors: tensor {e.name!r} has dtype {e.dtype}, which the format cannot store")
         if e.name in header:
             raise ValueError(f"safetensors: tensor name {e.name!r} appears twice")
-        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": _DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-(len(raw) + 8) % _ALIGN)
@@ -76,8 +88,10 @@ class SafetensorsStream:
             raise ValueError(f"{self.path}: tensor {name!r} written after the {len(self.entries)} declared ones")
         e = self.entries[self._next]
         if (name, tensor.dtype, tuple(tensor.shape)) != (e.name, e.dtype, e.shape):
-            raise ValueError(f"{self.path}: got {name!r} {tensor.dtype} {tuple(tensor.shape)}, the header declares "
-                             f"{e.name!r} {e.dtype} {e.shape} next")
+            raise ValueError(
+                f"{self.path}: got {name!r} {tensor.dtype} {tuple(tensor.shape)}, the header declares "
+                f"{e.name!r} {e.dtype} {e.shape} next"
+            )
         host = tensor.detach().to("cpu").contiguous().reshape(-1)
         self._file.write(host.view(torch.uint8).numpy().data)  # the tensor's own bytes, no extra copy
         self._next += 1

@@ -42,8 +42,9 @@ def gather_tp(shard: torch.Tensor) -> list[torch.Tensor]:
     """All-gather ``shard`` over the tensor-parallel group; list in TP-rank order."""
     from megatron.core import parallel_state
 
-    return _all_gather(shard, parallel_state.get_tensor_model_parallel_world_size(),
-                       parallel_state.get_tensor_model_parallel_group)
+    return _all_gather(
+        shard, parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_group
+    )
 
 
 def gather_tp_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
@@ -54,8 +55,9 @@ def gather_tp_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
     (torch_npu falls back to an all-gather or refuses), send / recv exist everywhere."""
     from megatron.core import parallel_state
 
-    return _gather_to_first(shard, parallel_state.get_tensor_model_parallel_world_size(),
-                            parallel_state.get_tensor_model_parallel_group)
+    return _gather_to_first(
+        shard, parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_group
+    )
 
 
 def host_group():
@@ -85,8 +87,11 @@ def gather_experts(shard: torch.Tensor) -> list[torch.Tensor]:
     group (expert TP x EP); list in group-rank order (expert TP rank fastest)."""
     from megatron.core import parallel_state
 
-    return _all_gather(shard, parallel_state.get_expert_tensor_and_model_parallel_world_size(),
-                       parallel_state.get_expert_tensor_and_model_parallel_group)
+    return _all_gather(
+        shard,
+        parallel_state.get_expert_tensor_and_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_and_model_parallel_group,
+    )
 
 
 def gather_experts_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
@@ -94,5 +99,8 @@ def gather_experts_to_first(shard: torch.Tensor) -> list[torch.Tensor] | None:
     ``gather_tp_to_first``."""
     from megatron.core import parallel_state
 
-    return _gather_to_first(shard, parallel_state.get_expert_tensor_and_model_parallel_world_size(),
-                            parallel_state.get_expert_tensor_and_model_parallel_group)
+    return _gather_to_first(
+        shard,
+        parallel_state.get_expert_tensor_and_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_and_model_parallel_group,
+    )

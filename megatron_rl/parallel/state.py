@@ -45,8 +45,9 @@ def check_world(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
         raise ValueError(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide world size {world_size}")
     dp = world_size // (tp * pp)
     if dp % ep:
-        raise ValueError(f"parallel.ep ({ep}) does not divide the data-parallel size {dp} (world {world_size} / "
-                         f"(tp {tp} x pp {pp}))")
+        raise ValueError(
+            f"parallel.ep ({ep}) does not divide the data-parallel size {dp} (world {world_size} / (tp {tp} x pp {pp}))"
+        )
     return dp
 
 
@@ -96,9 +97,12 @@ def _init_model_parallel(tp: int, pp: int, ep: int, timeout_s: float) -> None:
         ) != (tp, pp, ep):
             raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
     else:
-        parallel_state.initialize_model_parallel(distributed_timeout_minutes=group_timeout_minutes(timeout_s),
-                                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(
+            distributed_timeout_minutes=group_timeout_minutes(timeout_s),
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+        )
 
 
 # Host-side twins of the world and of this rank's model-parallel group, on gloo whatever the
@@ -137,8 +141,9 @@ def _build_host_groups(plat: Platform) -> None:
         return
     everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(mp_group)), group=world)
-    _HOST_GROUPS["model_parallel"], _ = dist.new_subgroups_by_enumeration(sorted(set(everyone)), backend="gloo",
-                                                                           timeout=current_group_timeout())
+    _HOST_GROUPS["model_parallel"], _ = dist.new_subgroups_by_enumeration(
+        sorted(set(everyone)), backend="gloo", timeout=current_group_timeout()
+    )
 
 
 def destroy_parallel(*, keep_world: bool = False) -> None:
@@ -168,10 +173,16 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
             return
         # torchrun --max-restarts: the agent's store outlives a failed attempt, and the keys the
         # dead world left there (its groups' peer addresses) would send this world to dead peers
-        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                               timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"megatron_rl/attempt_{attempt}", client),
-                                rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"megatron_rl/attempt_{attempt}", client),
+            rank=int(os.environ["RANK"]),
+            world_size=world,
+            timeout=timeout,
+        )
         return
     rank, host, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     listener = None
@@ -180,6 +191,12 @@ def _init_default_group(backend: str, timeout: timedelta) -> None:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
         listener.listen()
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
-                          master_listen_fd=listener.detach() if listener is not None else None)
+    store = dist.TCPStore(
+        host,
+        port,
+        world,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=listener.detach() if listener is not None else None,
+    )
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

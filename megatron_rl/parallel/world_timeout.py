@@ -43,14 +43,17 @@ def generation_timeout(timeout_s: float, waited_s: float, what: str) -> WorldTim
     return WorldTimeout(
         f"parallel.timeout_s={timeout_s:g} expired: global rank 0 waited {waited_s:.1f} s for {what} "
         "(generation and scoring) while every other rank waited for rank 0; raise parallel.timeout_s "
-        "if generations this long are expected, else look at the engines (rollout.request_timeout_s)")
+        "if generations this long are expected, else look at the engines (rollout.request_timeout_s)"
+    )
 
 
 def follower_timeout(rank: int, timeout_s: float | None, waiting_for: str, err: BaseException) -> WorldTimeout:
     """A follower's error: its wait for ``waiting_for`` failed or expired."""
     limit = "parallel.timeout_s" if timeout_s is None else f"parallel.timeout_s={timeout_s:g} (+{GRACE_S:g} s grace)"
-    return WorldTimeout(f"rank {rank}: waiting for {waiting_for} failed after {limit}: rank 0 is hung, dead or "
-                        f"stuck beyond the limit ({type(err).__name__}: {err})")
+    return WorldTimeout(
+        f"rank {rank}: waiting for {waiting_for} failed after {limit}: rank 0 is hung, dead or "
+        f"stuck beyond the limit ({type(err).__name__}: {err})"
+    )
 
 
 _CURRENT: list[float | None] = [None]  # the run's parallel.timeout_s (initialize_parallel sets it)

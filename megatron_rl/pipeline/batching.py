@@ -56,15 +56,27 @@ from megatron_rl.pipeline.records import (
 class StepBatch:
     """The groups of one step as the consumer pops them, cut into mini- and micro-batches."""
 
-    def __init__(self, *, start: BatchStart, policy_version: int, num_mini_batches: int, token_budget: int,
-                 streamed: bool, flush_when_idle: bool, pop: Callable[[], QueueItem],
-                 queue_empty: Callable[[], bool], replicas: int = 1, lockstep: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        start: BatchStart,
+        policy_version: int,
+        num_mini_batches: int,
+        token_budget: int,
+        streamed: bool,
+        flush_when_idle: bool,
+        pop: Callable[[], QueueItem],
+        queue_empty: Callable[[], bool],
+        replicas: int = 1,
+        lockstep: bool = False,
+    ) -> None:
         """``replicas``: DP replicas the groups are routed to; ``lockstep``: every replica trains
         the same number of micro-batches per mini-batch (expert parallelism; the module doc)."""
         m, n = num_mini_batches, start.num_prompts
         if n % m:
-            raise ValueError(f"step {start.step}: {n} prompts cannot be split into trainer.mini_batches={m} "
-                             "equal mini-batches")
+            raise ValueError(
+                f"step {start.step}: {n} prompts cannot be split into trainer.mini_batches={m} equal mini-batches"
+            )
         self.start, self.step, self.policy_version = start, start.step, policy_version
         self.num_mini_batches, self._per_mini = m, n // m
         self._budget, self._streamed, self._flush_when_idle = token_budget, streamed, flush_when_idle
@@ -104,8 +116,9 @@ class StepBatch:
         """Pop one item of this step; a group is recorded and returned, the end marker stored."""
         item = self._pop()
         if item.step != self.step or isinstance(item, BatchStart):
-            raise RuntimeError(f"consumer expected a group of step {self.step}, got {type(item).__name__} of "
-                               f"step {item.step}")
+            raise RuntimeError(
+                f"consumer expected a group of step {self.step}, got {type(item).__name__} of step {item.step}"
+            )
         if isinstance(item, BatchEnd):
             if sum(self._seen) != self.start.num_prompts:
                 raise RuntimeError(f"step {self.step} ended after {sum(self._seen)} of {self.start.num_prompts} groups")
@@ -184,8 +197,9 @@ class StepBatch:
                 yield self._held[r].pop(0)
             else:
                 self.padding_micro_batches += 1
-                yield padding_micro_batch(real.groups[0], policy_version=self.policy_version,
-                                          mini_batch=real.mini_batch, replica=r)
+                yield padding_micro_batch(
+                    real.groups[0], policy_version=self.policy_version, mini_batch=real.mini_batch, replica=r
+                )
 
     def _end_mini(self) -> Iterator[MicroBatch]:
         """Lockstep: the rest of the mini-batch's rounds, short replicas padded."""
@@ -202,10 +216,23 @@ def padding_micro_batch(template: ScoredGroup, *, policy_version: int, mini_batc
     routes = s.routed_experts
     if routes is not None:
         routes = dataclasses.replace(routes, indices=routes.indices[:1])  # the one forwarded token
-    sample = dataclasses.replace(s, prompt_ids=s.prompt_ids[:1], response_ids=s.response_ids[:1],
-                                 behav_logprobs=s.behav_logprobs[:1], loss_mask=(0,), routed_experts=routes)
-    group = ScoredGroup(step=template.step, prompt_index=template.prompt_index, prompt_id=template.prompt_id,
-                        samples=(sample,), rewards=torch.zeros(1), advantages=torch.zeros(1), kept=True)
+    sample = dataclasses.replace(
+        s,
+        prompt_ids=s.prompt_ids[:1],
+        response_ids=s.response_ids[:1],
+        behav_logprobs=s.behav_logprobs[:1],
+        loss_mask=(0,),
+        routed_experts=routes,
+    )
+    group = ScoredGroup(
+        step=template.step,
+        prompt_index=template.prompt_index,
+        prompt_id=template.prompt_id,
+        samples=(sample,),
+        rewards=torch.zeros(1),
+        advantages=torch.zeros(1),
+        kept=True,
+    )
     return make_micro_batch([group], policy_version=policy_version, mini_batch=mini_batch, replica=replica)
 
 

@@ -105,23 +105,34 @@ class BatchSummary:
     extra_metrics: dict[str, float] = field(default_factory=dict)  # e.g. data/..., reward/... counters
 
 
-def summarize(batch: StepBatch, new_version: int, wait_s: float,
-              extra_metrics: dict[str, float] | None = None) -> BatchSummary:
+def summarize(
+    batch: StepBatch, new_version: int, wait_s: float, extra_metrics: dict[str, float] | None = None
+) -> BatchSummary:
     """The ``BatchSummary`` of a finished ``StepBatch``."""
     kept_groups = [g for g in batch.groups if g.kept]
     kept = [s for g in kept_groups for s in g.samples]
     rewards = [s.reward for g in batch.groups for s in g.samples]
     turns = multiturn_metrics(batch.groups)
     return BatchSummary(
-        step=batch.step, policy_version=batch.policy_version, new_version=new_version, end=batch.finish(),
+        step=batch.step,
+        policy_version=batch.policy_version,
+        new_version=new_version,
+        end=batch.finish(),
         staleness=staleness_stats([s.weight_version for s in kept], batch.policy_version),
-        num_micro_batches=batch.num_micro_batches, overlapped_micro_batches=batch.overlapped_micro_batches,
-        trained_groups=len(kept_groups), trained_responses=len(kept),
+        num_micro_batches=batch.num_micro_batches,
+        overlapped_micro_batches=batch.overlapped_micro_batches,
+        trained_groups=len(kept_groups),
+        trained_responses=len(kept),
         trained_response_tokens=sum(len(s.response_ids) for s in kept),
         trained_prompt_tokens=sum(len(s.prompt_ids) for s in kept),
-        reward_mean=sum(rewards) / max(len(rewards), 1), wait_s=wait_s,
-        extra_metrics={**(extra_metrics or {}), **turns, "train/dp_imbalance": batch.router.imbalance(),
-                       **_padding_metrics(batch)},
+        reward_mean=sum(rewards) / max(len(rewards), 1),
+        wait_s=wait_s,
+        extra_metrics={
+            **(extra_metrics or {}),
+            **turns,
+            "train/dp_imbalance": batch.router.imbalance(),
+            **_padding_metrics(batch),
+        },
     )
 
 
@@ -134,11 +145,23 @@ class Pipeline:
     """Producer thread + bounded queue + the consumer side of one training run."""
 
     def __init__(
-        self, *, engine: RolloutEngine, prompts: PromptSource, reward_fn: RewardCallable, detokenize: Detokenize,
-        controller: GroupSizeController, sampling: SamplingSettings, scoring: GroupScoring,
-        settings: PipelineSettings, num_steps: int, start_step: int = 0, record: str | Path | None = None,
-        replay: str | Path | None = None, extra_metrics: Callable[[], dict[str, float]] | None = None,
-        replicas: int = 1, multiturn: MultiTurnRollout | None = None,
+        self,
+        *,
+        engine: RolloutEngine,
+        prompts: PromptSource,
+        reward_fn: RewardCallable,
+        detokenize: Detokenize,
+        controller: GroupSizeController,
+        sampling: SamplingSettings,
+        scoring: GroupScoring,
+        settings: PipelineSettings,
+        num_steps: int,
+        start_step: int = 0,
+        record: str | Path | None = None,
+        replay: str | Path | None = None,
+        extra_metrics: Callable[[], dict[str, float]] | None = None,
+        replicas: int = 1,
+        multiturn: MultiTurnRollout | None = None,
     ) -> None:
         """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
         a file instead of generating (``engine`` is then a ``recording.NullEngine``);
@@ -155,13 +178,25 @@ class Pipeline:
         self._start_step, self._num_steps, self._batch_index = start_step, num_steps, 0
         self._recorder = QueueRecorder(record) if record is not None else None
         if replay is not None:
-            self._producer = ReplayProducer(replay, out=self._queue, start_step=start_step, num_steps=num_steps,
-                                            poll_s=settings.poll_s)
+            self._producer = ReplayProducer(
+                replay, out=self._queue, start_step=start_step, num_steps=num_steps, poll_s=settings.poll_s
+            )
         else:
             self._producer = (Producer if multiturn is None else partial(MultiTurnProducer, multiturn=multiturn))(
-                engine=engine, prompts=prompts, reward_fn=reward_fn, detokenize=detokenize, controller=controller,
-                versions=self.versions, schedule=self.schedule, sampling=sampling, scoring=scoring, out=self._queue,
-                start_step=start_step, num_steps=num_steps, seed=settings.seed, poll_s=settings.poll_s,
+                engine=engine,
+                prompts=prompts,
+                reward_fn=reward_fn,
+                detokenize=detokenize,
+                controller=controller,
+                versions=self.versions,
+                schedule=self.schedule,
+                sampling=sampling,
+                scoring=scoring,
+                out=self._queue,
+                start_step=start_step,
+                num_steps=num_steps,
+                seed=settings.seed,
+                poll_s=settings.poll_s,
                 record=self._recorder,
             )
         self._extra_metrics = extra_metrics or dict
@@ -171,13 +206,32 @@ class Pipeline:
         self._started = self._closed = False
 
     @classmethod
-    def replaying(cls, path: str | Path, *, engine: NullEngine, settings: PipelineSettings, num_steps: int,
-                  start_step: int = 0, replicas: int = 1) -> Pipeline:
+    def replaying(
+        cls,
+        path: str | Path,
+        *,
+        engine: NullEngine,
+        settings: PipelineSettings,
+        num_steps: int,
+        start_step: int = 0,
+        replicas: int = 1,
+    ) -> Pipeline:
         """A pipeline fed by a recording (``rollout.record``) instead of engines: no reward function,
         prompts or controller; ``engine`` only counts versions (``python -m megatron_rl replay``)."""
-        return cls(engine=engine, prompts=None, reward_fn=None, detokenize=None, controller=None,
-                   sampling=None, scoring=None, settings=settings, num_steps=num_steps, start_step=start_step,
-                   replay=path, replicas=replicas)
+        return cls(
+            engine=engine,
+            prompts=None,
+            reward_fn=None,
+            detokenize=None,
+            controller=None,
+            sampling=None,
+            scoring=None,
+            settings=settings,
+            num_steps=num_steps,
+            start_step=start_step,
+            replay=path,
+            replicas=replicas,
+        )
 
     def start(self) -> Pipeline:
         """Start the producer thread (idempotent)."""
@@ -218,9 +272,15 @@ class Pipeline:
             raise PipelineError(f"expected the start of step {expected}, got {start!r}")
         s = self.settings
         self._current = StepBatch(
-            start=start, policy_version=self.schedule.policy_version(self._batch_index),
-            num_mini_batches=s.mini_batches, token_budget=s.micro_batch_tokens, streamed=s.mode != "sync",
-            flush_when_idle=s.flush_when_idle, pop=self._pop, queue_empty=self._queue.empty, replicas=self._replicas,
+            start=start,
+            policy_version=self.schedule.policy_version(self._batch_index),
+            num_mini_batches=s.mini_batches,
+            token_budget=s.micro_batch_tokens,
+            streamed=s.mode != "sync",
+            flush_when_idle=s.flush_when_idle,
+            pop=self._pop,
+            queue_empty=self._queue.empty,
+            replicas=self._replicas,
             lockstep=s.lockstep_replicas,
         )
         return self._current
@@ -232,8 +292,10 @@ class Pipeline:
             raise PipelineError(f"complete() got step {batch.step}, which is not the step in progress")
         summary = summarize(batch, new_version, self._wait_s, self._extra_metrics())
         if self._engine.weight_version != new_version:
-            raise RuntimeError(f"the trainer synced version {new_version} but the engine runs "
-                               f"{self._engine.weight_version}: sync_weights must call engine.load_weights")
+            raise RuntimeError(
+                f"the trainer synced version {new_version} but the engine runs "
+                f"{self._engine.weight_version}: sync_weights must call engine.load_weights"
+            )
         self.versions.publish(new_version)  # ValueError unless policy_version + 1
         self._batch_index += 1
         self._current = None

@@ -47,8 +47,13 @@ class MultiTurnProducer(Producer):
     def _produce_batch(self, i: int) -> None:
         batch, items, group_size, source_state = self._open_batch(i)
         start, self._reward_s = time.perf_counter(), 0.0
-        for traj in self._multiturn.run(self._engine, self._starts(batch.step, items), group_size, stop=self._stop,
-                                        check_version=lambda rid, v: self._schedule.check_sample(i, v, rid)):
+        for traj in self._multiturn.run(
+            self._engine,
+            self._starts(batch.step, items),
+            group_size,
+            stop=self._stop,
+            check_version=lambda rid, v: self._schedule.check_sample(i, v, rid),
+        ):
             if isinstance(traj, FailedGroup):
                 self._drop_failed_group(batch, traj)
             else:
@@ -56,16 +61,19 @@ class MultiTurnProducer(Producer):
         if self._stop.is_set():
             raise _Stopped
         if batch.where:
-            raise RuntimeError(f"no trajectory came back for {len(batch.where)} (prompt, k), e.g. "
-                               f"{next(iter(batch.where))!r}")
+            raise RuntimeError(
+                f"no trajectory came back for {len(batch.where)} (prompt, k), e.g. {next(iter(batch.where))!r}"
+            )
         self._close_batch(batch, len(items), group_size, source_state, time.perf_counter() - start)
 
     def _starts(self, step: int, items: Sequence[Any]) -> list[GroupStart]:
         """Per prompt: trajectory ids "<step>/<prompt_id>/<k>", reset fields, per-turn seeds."""
         return [
-            GroupStart(base=f"{step}/{it.record.prompt_id}",
-                       fields=record_fields(it.record, instruction=self._multiturn.settings.instruction),
-                       seed=lambda k, turn, pid=it.record.prompt_id: request_seed(self._seed, step, f"{pid}/{turn}", k))
+            GroupStart(
+                base=f"{step}/{it.record.prompt_id}",
+                fields=record_fields(it.record, instruction=self._multiturn.settings.instruction),
+                seed=lambda k, turn, pid=it.record.prompt_id: request_seed(self._seed, step, f"{pid}/{turn}", k),
+            )
             for it in items
         ]
 
@@ -77,8 +85,17 @@ class MultiTurnProducer(Producer):
             if batch.where.pop(request_id(batch.step, record.prompt_id, k), None) is None:
                 raise RuntimeError(f"failed group {failed.base!r}: trajectory {k} was already answered")
         empty = torch.zeros(0, dtype=torch.float32)
-        self._put(ScoredGroup(step=batch.step, prompt_index=p, prompt_id=record.prompt_id, samples=(),
-                              rewards=empty, advantages=empty, kept=False))
+        self._put(
+            ScoredGroup(
+                step=batch.step,
+                prompt_index=p,
+                prompt_id=record.prompt_id,
+                samples=(),
+                rewards=empty,
+                advantages=empty,
+                kept=False,
+            )
+        )
 
     def _accept_trajectory(self, batch: _PendingBatch, traj: Trajectory) -> None:
         """Score one trajectory into its slot; put its group on the queue once complete."""
@@ -92,20 +109,37 @@ class MultiTurnProducer(Producer):
             reward = self._score(record, traj.last_text)
             self._reward_s += time.perf_counter() - started
         batch.slots[p][k] = Sample(
-            prompt_id=record.prompt_id, request_id=traj.request_id, index=k, prompt_ids=traj.prompt_ids,
-            response_ids=traj.response_ids, behav_logprobs=traj.behav_logprobs,
-            weight_version=traj.turn_versions[0], finish_reason=traj.finish_reason, reward=float(reward),
-            loss_mask=traj.loss_mask, turns=traj.turns, tool_calls=traj.tool_calls, tool_errors=traj.tool_errors,
-            env_failures=traj.env_failures, env_s=traj.env_s, truncated=traj.truncated,
-            turn_prompt_tokens=traj.turn_prompt_tokens, cached_tokens=traj.cached_tokens,
+            prompt_id=record.prompt_id,
+            request_id=traj.request_id,
+            index=k,
+            prompt_ids=traj.prompt_ids,
+            response_ids=traj.response_ids,
+            behav_logprobs=traj.behav_logprobs,
+            weight_version=traj.turn_versions[0],
+            finish_reason=traj.finish_reason,
+            reward=float(reward),
+            loss_mask=traj.loss_mask,
+            turns=traj.turns,
+            tool_calls=traj.tool_calls,
+            tool_errors=traj.tool_errors,
+            env_failures=traj.env_failures,
+            env_s=traj.env_s,
+            truncated=traj.truncated,
+            turn_prompt_tokens=traj.turn_prompt_tokens,
+            cached_tokens=traj.cached_tokens,
         )
         if all(s is not None for s in batch.slots[p]):
             scoring, samples = self._scoring, batch.slots[p]
             room = self._multiturn.settings.max_total_tokens - len(traj.prompt_ids)
             if scoring.overlong is not None:  # the budget the whole response shares (module doc)
                 scoring = replace(scoring, overlong=replace(scoring.overlong, max_len=room))
-            group = score_group(step=batch.step, prompt_index=p, samples=samples, scoring=scoring,
-                                lengths=[room if s.truncated else len(s.response_ids) for s in samples])
+            group = score_group(
+                step=batch.step,
+                prompt_index=p,
+                samples=samples,
+                scoring=scoring,
+                lengths=[room if s.truncated else len(s.response_ids) for s in samples],
+            )
             batch.dropped += not group.kept
             self._put(group)
 
@@ -137,6 +171,12 @@ def multiturn_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
         "multiturn/env_s": sum(s.env_s for s in multi),
         "multiturn/reset_failures": float(failed),
         # turns' prompt tokens the engine's prefix cache served (engines that report it: vLLM)
-        **({"multiturn/prefix_cache_hit_rate": sum(s.cached_tokens for s in cached)
-            / max(1, sum(s.turn_prompt_tokens for s in cached))} if cached else {}),
+        **(
+            {
+                "multiturn/prefix_cache_hit_rate": sum(s.cached_tokens for s in cached)
+                / max(1, sum(s.turn_prompt_tokens for s in cached))
+            }
+            if cached
+            else {}
+        ),
     }

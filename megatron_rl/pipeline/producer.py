@@ -105,8 +105,14 @@ class GroupScoring:
         require_values({"algorithm.advantage.scale": self.advantage_scale, "algorithm.advantage.eps": self.eps})
 
 
-def score_group(*, step: int, prompt_index: int, samples: Sequence[Sample], scoring: GroupScoring,
-                lengths: Sequence[int] | None = None) -> ScoredGroup:
+def score_group(
+    *,
+    step: int,
+    prompt_index: int,
+    samples: Sequence[Sample],
+    scoring: GroupScoring,
+    lengths: Sequence[int] | None = None,
+) -> ScoredGroup:
     """Shaped rewards ``[G]``, advantages ``[G]`` and the dynamic-sampling verdict of one group;
     ``lengths``: what overlong shaping measures (default: each response's length)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -116,8 +122,12 @@ def score_group(*, step: int, prompt_index: int, samples: Sequence[Sample], scor
         rewards = rewards + overlong_reward_delta(lengths, max_len=o.max_len, buffer=o.buffer, penalty=o.penalty)
     kept = bool(dynamic_sampling_keep(rewards[None])[0]) if scoring.dynamic_sampling else True
     return ScoredGroup(
-        step=step, prompt_index=prompt_index, prompt_id=samples[0].prompt_id, samples=tuple(samples),
-        rewards=rewards, kept=kept,
+        step=step,
+        prompt_index=prompt_index,
+        prompt_id=samples[0].prompt_id,
+        samples=tuple(samples),
+        rewards=rewards,
+        kept=kept,
         advantages=group_advantages(rewards[None], scale=scoring.advantage_scale, eps=scoring.eps)[0],
     )
 
@@ -143,10 +153,23 @@ class Producer:
     """Background thread feeding ``out`` with ``ScoredGroup``s and one ``BatchEnd`` per step."""
 
     def __init__(
-        self, *, engine: RolloutEngine, prompts: PromptSource, reward_fn: RewardCallable, detokenize: Detokenize,
-        controller: GroupSizeController, versions: PolicyVersions,
-        schedule: VersionSchedule, sampling: SamplingSettings, scoring: GroupScoring, out: queue.Queue[QueueItem],
-        start_step: int, num_steps: int, seed: int, poll_s: float, record: Callable[[QueueItem], None] | None = None,
+        self,
+        *,
+        engine: RolloutEngine,
+        prompts: PromptSource,
+        reward_fn: RewardCallable,
+        detokenize: Detokenize,
+        controller: GroupSizeController,
+        versions: PolicyVersions,
+        schedule: VersionSchedule,
+        sampling: SamplingSettings,
+        scoring: GroupScoring,
+        out: queue.Queue[QueueItem],
+        start_step: int,
+        num_steps: int,
+        seed: int,
+        poll_s: float,
+        record: Callable[[QueueItem], None] | None = None,
     ) -> None:
         self._engine, self._prompts, self._reward_fn, self._detokenize = engine, prompts, reward_fn, detokenize
         self._controller = controller
@@ -202,21 +225,37 @@ class Producer:
         self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
         return batch, items, group_size, source_state
 
-    def _close_batch(self, batch: _PendingBatch, num_prompts: int, group_size: int,
-                     source_state: Mapping[str, Any] | None, generation_s: float) -> None:
+    def _close_batch(
+        self,
+        batch: _PendingBatch,
+        num_prompts: int,
+        group_size: int,
+        source_state: Mapping[str, Any] | None,
+        generation_s: float,
+    ) -> None:
         """Show the controller the batch's response lengths and put its ``BatchEnd``."""
         lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
         self._controller.observe(lengths)
-        self._put(BatchEnd(step=batch.step, group_size=group_size, response_lengths=lengths,
-                           groups_produced=num_prompts, groups_dropped=batch.dropped, source_state=source_state,
-                           generation_s=generation_s, reward_s=self._reward_s,
-                           control_metrics=dict(self._controller.metrics()),
-                           controller_state=self._controller.state_dict()))
+        self._put(
+            BatchEnd(
+                step=batch.step,
+                group_size=group_size,
+                response_lengths=lengths,
+                groups_produced=num_prompts,
+                groups_dropped=batch.dropped,
+                source_state=source_state,
+                generation_s=generation_s,
+                reward_s=self._reward_s,
+                control_metrics=dict(self._controller.metrics()),
+                controller_state=self._controller.state_dict(),
+            )
+        )
 
     def _produce_batch(self, i: int) -> None:
         batch, items, group_size, source_state = self._open_batch(i)
-        requests = [self._request(batch.step, it.record.prompt_id, it.token_ids, k)
-                    for it in items for k in range(group_size)]
+        requests = [
+            self._request(batch.step, it.record.prompt_id, it.token_ids, k) for it in items for k in range(group_size)
+        ]
         start, self._reward_s = time.perf_counter(), 0.0
         for result in self._engine.generate(requests):
             if self._stop.is_set():
@@ -236,13 +275,15 @@ class Producer:
                 if rid in where:
                     raise ValueError(f"prompt_id {item.record.prompt_id!r} appears twice in the batch of step {step}")
                 where[rid] = (p, k)
-        return _PendingBatch(step=step, items=items, group_size=group_size, where=where,
-                             slots=[[None] * group_size for _ in items])
+        return _PendingBatch(
+            step=step, items=items, group_size=group_size, where=where, slots=[[None] * group_size for _ in items]
+        )
 
     def _request(self, step: int, prompt_id: str, prompt_ids: Sequence[int], k: int) -> GenerationRequest:
         sampling = replace(self._sampling, seed=request_seed(self._seed, step, prompt_id, k))
-        return GenerationRequest(request_id=request_id(step, prompt_id, k), prompt_ids=tuple(prompt_ids),
-                                 sampling=sampling)
+        return GenerationRequest(
+            request_id=request_id(step, prompt_id, k), prompt_ids=tuple(prompt_ids), sampling=sampling
+        )
 
     def _accept(self, i: int, batch: _PendingBatch, result: GenerationResult) -> None:
         """Check one result and submit its reward; put the groups scored so far (``_harvest``)."""
@@ -285,11 +326,16 @@ class Producer:
         """Store one scored sample; put its group on the queue if it completed the group."""
         record = batch.items[p].record
         batch.slots[p][k] = Sample(
-            prompt_id=record.prompt_id, request_id=result.request_id, index=k,
+            prompt_id=record.prompt_id,
+            request_id=result.request_id,
+            index=k,
             prompt_ids=tuple(batch.items[p].token_ids),
-            response_ids=result.response_ids, behav_logprobs=result.logprobs, weight_version=result.weight_version,
+            response_ids=result.response_ids,
+            behav_logprobs=result.logprobs,
+            weight_version=result.weight_version,
             finish_reason=result.finish_reason,
-            reward=reward, routed_experts=result.routed_experts,
+            reward=reward,
+            routed_experts=result.routed_experts,
         )
         if all(s is not None for s in batch.slots[p]):
             group = score_group(step=batch.step, prompt_index=p, samples=batch.slots[p], scoring=self._scoring)

@@ -36,8 +36,13 @@ def item_to_json(item: QueueItem) -> dict[str, Any]:
     if isinstance(item, BatchEnd):
         return {"kind": "end", **item.__dict__}
     return {
-        "kind": "group", "step": item.step, "prompt_index": item.prompt_index, "prompt_id": item.prompt_id,
-        "kept": item.kept, "rewards": item.rewards.tolist(), "advantages": item.advantages.tolist(),
+        "kind": "group",
+        "step": item.step,
+        "prompt_index": item.prompt_index,
+        "prompt_id": item.prompt_id,
+        "kept": item.kept,
+        "rewards": item.rewards.tolist(),
+        "advantages": item.advantages.tolist(),
         "samples": [_sample_to_json(s) for s in item.samples],
     }
 
@@ -47,8 +52,10 @@ def _sample_to_json(s: Sample) -> dict[str, Any]:
     data = dict(s.__dict__)
     if s.routed_experts is not None:
         idx = s.routed_experts.indices
-        data["routed_experts"] = {"shape": list(idx.shape),
-                                  "int16": base64.b64encode(idx.astype("<i2").tobytes()).decode()}
+        data["routed_experts"] = {
+            "shape": list(idx.shape),
+            "int16": base64.b64encode(idx.astype("<i2").tobytes()).decode(),
+        }
     return data
 
 
@@ -73,8 +80,12 @@ def item_from_json(data: dict[str, Any], where: str = "") -> QueueItem:
             return BatchEnd(**data)
         if kind == "group":
             samples = tuple(_sample_from_json(s) for s in data.pop("samples"))
-            return ScoredGroup(samples=samples, rewards=torch.tensor(data.pop("rewards"), dtype=torch.float32),
-                               advantages=torch.tensor(data.pop("advantages"), dtype=torch.float32), **data)
+            return ScoredGroup(
+                samples=samples,
+                rewards=torch.tensor(data.pop("rewards"), dtype=torch.float32),
+                advantages=torch.tensor(data.pop("advantages"), dtype=torch.float32),
+                **data,
+            )
     except (TypeError, KeyError, ValueError) as err:
         raise ValueError(f"{where}: not a recorded queue item ({type(err).__name__}: {err})") from err
     raise ValueError(f"{where}: unknown record kind {kind!r} (expected start, group or end)")
@@ -117,8 +128,9 @@ class ReplayProducer:
     """Stands in for the producer thread: puts a recording's items of ``num_steps`` steps on the
     queue (same contract: never raises, ``error`` holds a failure, ``stop()`` ends it)."""
 
-    def __init__(self, path: str | Path, *, out: queue.Queue[QueueItem], start_step: int, num_steps: int,
-                 poll_s: float) -> None:
+    def __init__(
+        self, path: str | Path, *, out: queue.Queue[QueueItem], start_step: int, num_steps: int, poll_s: float
+    ) -> None:
         self._path, self._out, self._poll_s = Path(path), out, poll_s
         self._steps = range(start_step, start_step + num_steps)
         self._stop = threading.Event()

@@ -86,13 +86,16 @@ class Sample:
     def __post_init__(self) -> None:
         if not self.response_ids:
             raise ValueError(f"request {self.request_id!r}: the engine returned an empty response")
-        if self.loss_mask is not None and (len(self.loss_mask) != len(self.response_ids)
-                                           or not set(self.loss_mask) <= {0, 1}):
+        if self.loss_mask is not None and (
+            len(self.loss_mask) != len(self.response_ids) or not set(self.loss_mask) <= {0, 1}
+        ):
             raise ValueError(f"request {self.request_id!r}: loss_mask must be 0/1 per response token")
         forwarded = len(self.prompt_ids) + len(self.response_ids) - 1
         if self.routed_experts is not None and self.routed_experts.num_tokens != forwarded:
-            raise ValueError(f"request {self.request_id!r}: routes for {self.routed_experts.num_tokens} tokens, "
-                             f"the engine forwarded {forwarded} (prompt + response - 1)")
+            raise ValueError(
+                f"request {self.request_id!r}: routes for {self.routed_experts.num_tokens} tokens, "
+                f"the engine forwarded {forwarded} (prompt + response - 1)"
+            )
         if len(self.behav_logprobs) != len(self.response_ids):
             raise ValueError(
                 f"request {self.request_id!r}: {len(self.behav_logprobs)} log-probs for "
@@ -195,11 +198,14 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """What a micro-step reads, on ``device``: the packed tensors, advantages, behaviour
         log-probs and versions, each copied once (non-blocking). ``groups`` stay on the host."""
-        return replace(self, packed=self.packed.to(device),
-                       advantages=self.advantages.to(device, non_blocking=True),
-                       behav_logprobs=self.behav_logprobs.to(device, non_blocking=True),
-                       versions=self.versions.to(device, non_blocking=True),
-                       loss_mask=None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True))
+        return replace(
+            self,
+            packed=self.packed.to(device),
+            advantages=self.advantages.to(device, non_blocking=True),
+            behav_logprobs=self.behav_logprobs.to(device, non_blocking=True),
+            versions=self.versions.to(device, non_blocking=True),
+            loss_mask=None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True),
+        )
 
 
 def to_token_group(group: ScoredGroup) -> TokenGroup:
@@ -220,8 +226,10 @@ def _group_routes(group: ScoredGroup) -> dict[str, Any]:
     if not any(have):
         return {}
     if not all(have):
-        raise ValueError(f"request {group.samples[have.index(False)].request_id!r} has no routed experts, "
-                         "other samples of its group have")
+        raise ValueError(
+            f"request {group.samples[have.index(False)].request_id!r} has no routed experts, "
+            "other samples of its group have"
+        )
     lp = len(group.samples[0].prompt_ids)
     routes = [torch.from_numpy(s.routed_experts.indices) for s in group.samples]
     return {"prompt_routes": routes[0][:lp], "response_routes": tuple(torch.cat([r[lp:], r[-1:]]) for r in routes)}
@@ -235,8 +243,9 @@ def unshare_prompts(mb: MicroBatch) -> MicroBatch:
     return replace(mb, packed=concat_groups([pack_group(to_token_group(g)) for g in singles]))
 
 
-def make_micro_batch(groups: Sequence[ScoredGroup], *, policy_version: int, mini_batch: int = 0,
-                     replica: int = 0) -> MicroBatch:
+def make_micro_batch(
+    groups: Sequence[ScoredGroup], *, policy_version: int, mini_batch: int = 0, replica: int = 0
+) -> MicroBatch:
     """Pack kept groups (in the given order) into one ``MicroBatch``; no token budget check here."""
     if not groups:
         raise ValueError("make_micro_batch needs at least one group")
@@ -293,9 +302,13 @@ def split_group(group: ScoredGroup, token_budget: int) -> list[ScoredGroup]:
 def _group_part(group: ScoredGroup, indices: list[int]) -> ScoredGroup:
     pick = torch.tensor(indices, dtype=torch.int64)
     return ScoredGroup(
-        step=group.step, prompt_index=group.prompt_index, prompt_id=group.prompt_id,
-        samples=tuple(group.samples[k] for k in indices), rewards=group.rewards[pick],
-        advantages=group.advantages[pick], kept=group.kept,
+        step=group.step,
+        prompt_index=group.prompt_index,
+        prompt_id=group.prompt_id,
+        samples=tuple(group.samples[k] for k in indices),
+        rewards=group.rewards[pick],
+        advantages=group.advantages[pick],
+        kept=group.kept,
     )
 
 
@@ -303,6 +316,9 @@ def chunk_by_tokens(groups: Sequence[ScoredGroup], token_budget: int) -> list[li
     """Greedy, order-preserving split into chunks of at most ``token_budget`` packed tokens;
     groups over the budget are split first (``split_group``)."""
     parts = [part for g in groups for part in split_group(g, token_budget)]
-    chunks = greedy_chunks([g.num_packed_tokens for g in parts], token_budget,
-                           name=lambda i: f"group {parts[i].prompt_id!r} (step {parts[i].step})")
+    chunks = greedy_chunks(
+        [g.num_packed_tokens for g in parts],
+        token_budget,
+        name=lambda i: f"group {parts[i].prompt_id!r} (step {parts[i].step})",
+    )
     return [[parts[i] for i in chunk] for chunk in chunks]

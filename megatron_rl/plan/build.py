@@ -76,14 +76,25 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
     if backend == "auto":
         backend = auto_backend(device.kind)
     elif BACKEND_KIND.get(backend, device.kind) != device.kind:
-        raise ValueError(f"attention.backend {backend!r} runs on {BACKEND_KIND[backend]} devices, not --device "
-                         f"{device.name}; use 'auto' or a backend of that device")
+        raise ValueError(
+            f"attention.backend {backend!r} runs on {BACKEND_KIND[backend]} devices, not --device "
+            f"{device.name}; use 'auto' or a backend of that device"
+        )
     return MemorySettings(
-        tp=layout.tp, pp=layout.pp, dp=layout.dp, dtype=cfg.model.dtype, copies=len(trimodel.active),
-        distributed_optimizer=cfg.parallel.distributed_optimizer, attention_backend=backend,
-        recompute=str(cfg.model.megatron.get("recompute_granularity") or "none"), micro_batch=micro_batch_shape(cfg),
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, entropy=cfg.algorithm.entropy_coef > 0,
-        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens, ep=cfg.parallel.ep)
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dtype=cfg.model.dtype,
+        copies=len(trimodel.active),
+        distributed_optimizer=cfg.parallel.distributed_optimizer,
+        attention_backend=backend,
+        recompute=str(cfg.model.megatron.get("recompute_granularity") or "none"),
+        micro_batch=micro_batch_shape(cfg),
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        entropy=cfg.algorithm.entropy_coef > 0,
+        logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+        ep=cfg.parallel.ep,
+    )
 
 
 def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | DeviceSpec) -> Plan:
@@ -98,8 +109,16 @@ def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | 
     trimodel = trimodel_plan(cfg)  # the trainer's own choice
     settings = memory_settings(cfg, layout, spec_dev, trimodel)
     stages = tuple(estimate_memory(dims, settings))
-    plan = Plan(layout=layout, device=spec_dev, dims=dims, model_type=spec.model_type, settings=settings,
-                trimodel=trimodel, stages=stages, advice=())
+    plan = Plan(
+        layout=layout,
+        device=spec_dev,
+        dims=dims,
+        model_type=spec.model_type,
+        settings=settings,
+        trimodel=trimodel,
+        stages=stages,
+        advice=(),
+    )
     if plan.fits:
         return plan
     advice = _advice(cfg, dims, settings, spec_dev.usable_bytes // plan.sharers, layout.world_size)
@@ -121,8 +140,11 @@ def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world:
                 out.append(f"{key}={v} fits ({peak / 2**30:.1f} GiB){note}")
                 return
 
-    tps = [t for t in range(s.tp + 1, dims.heads + 1)  # keeping parallel.ep dividing the new dp
-           if world % (t * s.pp * s.ep) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None]
+    tps = [
+        t
+        for t in range(s.tp + 1, dims.heads + 1)  # keeping parallel.ep dividing the new dp
+        if world % (t * s.pp * s.ep) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None
+    ]
     first_fit("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp)))
     pps = [p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p * s.ep) == 0]
     first_fit("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p)))
@@ -133,12 +155,21 @@ def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world:
         first_fit("parallel.distributed_optimizer", [True], lambda v: with_changes(s, distributed_optimizer=v))
     floor = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     budgets = sorted({max(floor, int(s.micro_batch.tokens * 0.75**i)) for i in range(1, 12)}, reverse=True)
-    first_fit("pipeline.micro_batch_tokens", [b for b in budgets if b < s.micro_batch.tokens],
-              lambda b: with_changes(s, micro_batch=micro_batch_shape(cfg, b)))
+    first_fit(
+        "pipeline.micro_batch_tokens",
+        [b for b in budgets if b < s.micro_batch.tokens],
+        lambda b: with_changes(s, micro_batch=micro_batch_shape(cfg, b)),
+    )
     if s.recompute != "full":
-        first_fit("model.megatron.recompute_granularity", ["full"], lambda r: with_changes(s, recompute=r),
-                  " with model.megatron.recompute_method=uniform, model.megatron.recompute_num_layers=1")
+        first_fit(
+            "model.megatron.recompute_granularity",
+            ["full"],
+            lambda r: with_changes(s, recompute=r),
+            " with model.megatron.recompute_method=uniform, model.megatron.recompute_num_layers=1",
+        )
     if not out:
-        out.append("no single knob suffices: raise parallel.tp / parallel.pp (more devices per model), enable "
-                   "parallel.distributed_optimizer, lower pipeline.micro_batch_tokens, or use a larger --device")
+        out.append(
+            "no single knob suffices: raise parallel.tp / parallel.pp (more devices per model), enable "
+            "parallel.distributed_optimizer, lower pipeline.micro_batch_tokens, or use a larger --device"
+        )
     return out

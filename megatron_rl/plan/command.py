@@ -19,8 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (NNODES)")
     parser.add_argument("--devices-per-node", type=int, default=8, help="accelerators per node")
     parser.add_argument("--device", default="h100", choices=[*DEVICES, "cpu"], help="device kind (memory table)")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="dense bf16 TFLOPS per device for the compute bound (default: the device table's)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 TFLOPS per device for the compute bound (default: the device table's)",
+    )
 
 
 def plan_command(cfg: Config, args: argparse.Namespace) -> int:

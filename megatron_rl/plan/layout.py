@@ -65,11 +65,13 @@ class ClusterLayout:
         """TP groups that span nodes (slow: every layer all-reduces over the network)."""
         out = []
         for tp_rank0 in (r for r in self.ranks if r.tp == 0):
-            group = self.ranks[tp_rank0.rank:tp_rank0.rank + self.tp]
+            group = self.ranks[tp_rank0.rank : tp_rank0.rank + self.tp]
             if len({r.node for r in group}) > 1:
-                out.append(f"tp group of ranks {group[0].rank}-{group[-1].rank} spans nodes "
-                           f"{sorted({r.node for r in group})}: choose parallel.tp dividing every node's ranks "
-                           f"{list(self.ranks_per_node)}")
+                out.append(
+                    f"tp group of ranks {group[0].rank}-{group[-1].rank} spans nodes "
+                    f"{sorted({r.node for r in group})}: choose parallel.tp dividing every node's ranks "
+                    f"{list(self.ranks_per_node)}"
+                )
         return out
 
 
@@ -101,13 +103,17 @@ def _training_ranks(cfg: Config, node: int, devices_per_node: int) -> int:
         raise LayoutError(f"{where} {cfg.rollout.devices} name a device twice")
     ranks = devices_per_node - len(engine_ids)
     if ranks < 1:
-        raise LayoutError(f"{where} take all {devices_per_node} devices of node {node}; "
-                          "leave some for training or raise --devices-per-node")
+        raise LayoutError(
+            f"{where} take all {devices_per_node} devices of node {node}; "
+            "leave some for training or raise --devices-per-node"
+        )
     clash = [i for i in engine_ids if i < ranks or i >= devices_per_node]
     if clash:
-        raise LayoutError(f"{where}: device(s) {clash} are training devices or absent; node {node}'s training "
-                          f"ranks use ids 0..{ranks - 1} (local rank = device), so name engine ids "
-                          f"{ranks}..{devices_per_node - 1}")
+        raise LayoutError(
+            f"{where}: device(s) {clash} are training devices or absent; node {node}'s training "
+            f"ranks use ids 0..{ranks - 1} (local rank = device), so name engine ids "
+            f"{ranks}..{devices_per_node - 1}"
+        )
     return ranks
 
 
@@ -117,24 +123,38 @@ def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLay
         raise LayoutError(f"--nodes ({nodes}) and --devices-per-node ({devices_per_node}) must be >= 1")
     placed = engine_nodes(cfg)
     if absent := sorted({n for n in placed if n >= nodes}):
-        raise LayoutError(f"rollout.engine_nodes {list(placed)} names node(s) {absent}, but the launch has "
-                          f"{nodes} node(s); raise --nodes or move those engines")
+        raise LayoutError(
+            f"rollout.engine_nodes {list(placed)} names node(s) {absent}, but the launch has "
+            f"{nodes} node(s); raise --nodes or move those engines"
+        )
     per_node = tuple(_training_ranks(cfg, node, devices_per_node) for node in range(nodes))
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     world = sum(per_node)
     if world % (tp * pp):
-        raise LayoutError(f"parallel.tp ({tp}) × parallel.pp ({pp}) = {tp * pp} does not divide the {world} training "
-                          f"ranks (per node {list(per_node)}); change parallel.tp / parallel.pp or the layout")
+        raise LayoutError(
+            f"parallel.tp ({tp}) × parallel.pp ({pp}) = {tp * pp} does not divide the {world} training "
+            f"ranks (per node {list(per_node)}); change parallel.tp / parallel.pp or the layout"
+        )
     dp = world // (tp * pp)
     if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
-        raise LayoutError(f"parallel.dp ({cfg.parallel.dp}) ≠ {dp} = {world} training ranks / (tp × pp); "
-                          f"set parallel.dp to {dp} or leave it unset")
+        raise LayoutError(
+            f"parallel.dp ({cfg.parallel.dp}) ≠ {dp} = {world} training ranks / (tp × pp); "
+            f"set parallel.dp to {dp} or leave it unset"
+        )
     coords = _coordinates(tp=tp, pp=pp, dp=dp)
     places = [(node, local) for node, n in enumerate(per_node) for local in range(n)]
     ranks = tuple(RankPlace(rank=r, node=node, local_rank=local, **coords[r]) for r, (node, local) in enumerate(places))
-    return ClusterLayout(nodes=nodes, devices_per_node=devices_per_node, ranks_per_node=per_node, tp=tp, pp=pp,
-                         dp=dp, ranks=ranks, engine_devices=tuple(cfg.rollout.devices),
-                         engine_nodes=placed)
+    return ClusterLayout(
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        ranks_per_node=per_node,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ranks=ranks,
+        engine_devices=tuple(cfg.rollout.devices),
+        engine_nodes=placed,
+    )
 
 
 def _coordinates(*, tp: int, pp: int, dp: int) -> dict[int, dict[str, int]]:

@@ -83,11 +83,19 @@ class ModelDims:
     @classmethod
     def from_spec(cls, spec: DecoderSpec) -> ModelDims:
         """Dims of a `DecoderSpec` (``models.hf_config.decoder_spec_from_hf``)."""
-        return cls(layers=spec.num_layers, hidden=spec.hidden_size, ffn=spec.ffn_hidden_size,
-                   heads=spec.num_attention_heads, kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                   vocab=spec.vocab_size, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
-                   tied_embeddings=spec.tie_word_embeddings,
-                   moe=MoeDims.from_spec(spec.moe) if spec.moe is not None else None)
+        return cls(
+            layers=spec.num_layers,
+            hidden=spec.hidden_size,
+            ffn=spec.ffn_hidden_size,
+            heads=spec.num_attention_heads,
+            kv_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            vocab=spec.vocab_size,
+            qkv_bias=spec.qkv_bias,
+            qk_norm=spec.qk_norm,
+            tied_embeddings=spec.tie_word_embeddings,
+            moe=MoeDims.from_spec(spec.moe) if spec.moe is not None else None,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,8 +296,11 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     params, experts = stage_params(dims, s, stage)
     T, h, b = s.micro_batch.tokens, dims.hidden, s.dtype_bytes
     sparse = sparse_layers_of_stage(dims.moe, dims.layers, s.pp, stage)
-    kinds = [(n, _recomputed(dims, s, kind), backward_working_bytes(dims, s, kind))
-             for n, kind in ((stage_layers(dims, s.pp) - sparse, False), (sparse, True)) if n]
+    kinds = [
+        (n, _recomputed(dims, s, kind), backward_working_bytes(dims, s, kind))
+        for n, kind in ((stage_layers(dims, s.pp) - sparse, False), (sparse, True))
+        if n
+    ]
     acts = sum(n * saved for n, (saved, _), _ in kinds)
     layer_transient = max(extra + working for _, (_, extra), working in kinds)
     if stage == 0:
@@ -302,9 +313,17 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     lp_saved, lp_transient = logprob_bytes(dims, s) if last else (0, 0)
     transient = max(lp_transient, layer_transient)
     optimizer = (params - experts) * optimizer_bytes_per_param(s) + experts * optimizer_bytes_per_param(s, True)
-    return StageMemory(stage=stage, params=params, weights=params * b * s.copies, grads=params * 4,
-                       optimizer=int(optimizer), activations=acts, logprobs=lp_saved, transient=transient,
-                       expert_params=experts)
+    return StageMemory(
+        stage=stage,
+        params=params,
+        weights=params * b * s.copies,
+        grads=params * 4,
+        optimizer=int(optimizer),
+        activations=acts,
+        logprobs=lp_saved,
+        transient=transient,
+        expert_params=experts,
+    )
 
 
 def estimate_memory(dims: ModelDims, settings: MemorySettings) -> list[StageMemory]:

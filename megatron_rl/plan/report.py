@@ -27,16 +27,21 @@ def layout_lines(plan: Plan) -> list[str]:
     lay = plan.layout
     counts = [len(lay.engines_on(node)) for node in range(lay.nodes)]
     pinned = "" if lay.engine_devices else ", unpinned on CPUs"
-    lines = [f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
-             f"{len(lay.engine_nodes)} rollout engine(s){pinned}, per node {counts} (node 0's: global rank 0 "
-             "starts them; node n's: its engine host, `megatron_rl serve --node-rank n`)"]
+    lines = [
+        f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
+        f"{len(lay.engine_nodes)} rollout engine(s){pinned}, per node {counts} (node 0's: global rank 0 "
+        "starts them; node n's: its engine host, `megatron_rl serve --node-rank n`)"
+    ]
     for node in range(lay.nodes):
         ranks = [r for r in lay.ranks if r.node == node]
-        lines.append(f"  node {node}: NPROC_PER_NODE={lay.ranks_per_node[node]}, training devices "
-                     f"{_ids([r.local_rank for r in ranks])}, engines {len(lay.engines_on(node))}")
+        lines.append(
+            f"  node {node}: NPROC_PER_NODE={lay.ranks_per_node[node]}, training devices "
+            f"{_ids([r.local_rank for r in ranks])}, engines {len(lay.engines_on(node))}"
+        )
         lines += [f"    device {r.local_rank}: rank {r.rank:>4}  tp {r.tp}  pp {r.pp}  dp {r.dp}" for r in ranks]
-        lines += [f"    engine {e}: {lay.engine_devices[e] if lay.engine_devices else 'cpu'}"
-                  for e in lay.engines_on(node)]
+        lines += [
+            f"    engine {e}: {lay.engine_devices[e] if lay.engine_devices else 'cpu'}" for e in lay.engines_on(node)
+        ]
     lines += [f"  warning: {w}" for w in lay.warnings()]
     return lines
 
@@ -51,22 +56,42 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
     rows = [
         ("weights", w.weights, f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank{experts}, {s.dtype}"),
         ("grads", w.grads, "fp32 DDP gradient buffer (policy)"),
-        ("optimizer", w.optimizer, "Adam moments" + (" + fp32 master" if s.dtype_bytes < 4 else "")
-         + (sharded if s.distributed_optimizer else ", not sharded")),
-        ("activations", w.activations, f"1 micro-batch of {mb.tokens} tokens, {plan.dims.layers // s.pp} layers, "
-         f"attention {s.attention_backend}, recompute {s.recompute}"),
-        ("log-probs", w.logprobs, f"{mb.response_tokens} response rows: " + (
-            "fp32 softmax × vocab/tp" if s.logprob_chunk_tokens is None or mb.response_tokens <= s.logprob_chunk_tokens
-            else f"head inputs (chunks of {s.logprob_chunk_tokens} rows recomputed in backward)")),
+        (
+            "optimizer",
+            w.optimizer,
+            "Adam moments"
+            + (" + fp32 master" if s.dtype_bytes < 4 else "")
+            + (sharded if s.distributed_optimizer else ", not sharded"),
+        ),
+        (
+            "activations",
+            w.activations,
+            f"1 micro-batch of {mb.tokens} tokens, {plan.dims.layers // s.pp} layers, "
+            f"attention {s.attention_backend}, recompute {s.recompute}",
+        ),
+        (
+            "log-probs",
+            w.logprobs,
+            f"{mb.response_tokens} response rows: "
+            + (
+                "fp32 softmax × vocab/tp"
+                if s.logprob_chunk_tokens is None or mb.response_tokens <= s.logprob_chunk_tokens
+                else f"head inputs (chunks of {s.logprob_chunk_tokens} rows recomputed in backward)"
+            ),
+        ),
         ("transient", w.transient, "logits + fp32 copies during log-probs, or one layer's backward"),
     ]
-    lines = ["tri-model: " + "; ".join(plan.trimodel.reasons),
-             f"memory per training device (stage {w.stage} of pp {s.pp}, the largest):"]
+    lines = [
+        "tri-model: " + "; ".join(plan.trimodel.reasons),
+        f"memory per training device (stage {w.stage} of pp {s.pp}, the largest):",
+    ]
     lines += [f"  {name:<12}{_gib(n)}   {why}" for name, n, why in rows]
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     shared = f" × {plan.sharers} ranks sharing the machine's RAM" if plan.sharers > 1 else ""
-    lines.append(f"  {'total':<12}{_gib(w.total)}{shared}   of {_gib(d.usable_bytes).strip()} usable "
-                 f"({d.usable_fraction:.0%} of {d.memory_bytes / GIB:.1f} GiB {d.name}): {verdict}")
+    lines.append(
+        f"  {'total':<12}{_gib(w.total)}{shared}   of {_gib(d.usable_bytes).strip()} usable "
+        f"({d.usable_fraction:.0%} of {d.memory_bytes / GIB:.1f} GiB {d.name}): {verdict}"
+    )
     if s.pp > 1:
         lines.append("  per stage: " + ", ".join(f"{st.stage}: {st.total / GIB:.2f} GiB" for st in plan.stages))
     lines += _compute_lines(plan, peak_tflops or d.peak_tflops)
@@ -84,20 +109,24 @@ def _compute_lines(plan: Plan, tflops: float | None) -> list[str]:
     tokens = plan.settings.micro_batch.tokens
     flops = 2 * params * tokens * (3 + plan.settings.copies - 1)
     seconds = flops / (tflops * 1e12 * plan.settings.tp * plan.settings.pp)
-    return [f"  compute: {flops / 1e12:.1f} TFLOP per micro-batch (policy fwd+bwd, frozen fwd) -> >= "
-            f"{seconds * 1e3:.0f} ms per micro-batch on tp × pp devices at {tflops:g} TFLOPS each"]
+    return [
+        f"  compute: {flops / 1e12:.1f} TFLOP per micro-batch (policy fwd+bwd, frozen fwd) -> >= "
+        f"{seconds * 1e3:.0f} ms per micro-batch on tp × pp devices at {tflops:g} TFLOPS each"
+    ]
 
 
 def render(plan: Plan, *, source: str, peak_tflops: float | None = None) -> str:
     """The whole report."""
     dm, lay = plan.dims, plan.layout
-    head = [f"plan: {source} on {lay.nodes} node(s) × {lay.devices_per_node} {plan.device.name}",
-            f"model: {plan.model_type}, {dm.layers} layers, hidden {dm.hidden}, ffn {dm.ffn}, heads {dm.heads} "
-            f"({dm.kv_heads} kv, head_dim {dm.head_dim}), vocab {dm.vocab}"
-            + (", qk-norm" if dm.qk_norm else "") + (", tied embeddings" if dm.tied_embeddings else "")]
+    head = [
+        f"plan: {source} on {lay.nodes} node(s) × {lay.devices_per_node} {plan.device.name}",
+        f"model: {plan.model_type}, {dm.layers} layers, hidden {dm.hidden}, ffn {dm.ffn}, heads {dm.heads} "
+        f"({dm.kv_heads} kv, head_dim {dm.head_dim}), vocab {dm.vocab}"
+        + (", qk-norm" if dm.qk_norm else "")
+        + (", tied embeddings" if dm.tied_embeddings else ""),
+    ]
     text = head + layout_lines(plan) + memory_lines(plan, peak_tflops)
     if not plan.fits:
         text.append("refused: the largest stage does not fit; change one of:")
         text += [f"  {line}" for line in plan.advice]
     return "\n".join(text)
-

@@ -127,6 +127,8 @@ def setup_platform(requested: str = "auto") -> Platform:
     cross_entropy_sync.apply()  # every platform: no host sync in the vocab-parallel log-probs
     _APPLIED["platform"] = platform
     if os.environ.get("RANK", "0") == "0":
-        print(f"megatron_rl: platform {platform.name} (device {platform.device}, "
-              f"collectives {platform.dist_backend})", flush=True)
+        print(
+            f"megatron_rl: platform {platform.name} (device {platform.device}, collectives {platform.dist_backend})",
+            flush=True,
+        )
     return platform

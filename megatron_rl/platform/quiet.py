@@ -11,9 +11,7 @@ from __future__ import annotations
 import warnings
 
 # (message regex, module regex) of UserWarnings megatron-core raises at import time.
-_NOISE = (
-    (r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\.core\."),
-)
+_NOISE = ((r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\.core\."),)
 
 
 def silence_library_noise() -> None:

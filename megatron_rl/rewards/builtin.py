@@ -82,8 +82,10 @@ def reasoning_gym_reward(record: PromptRecord, response_text: str) -> float:
     """The reasoning_gym dataset's own `score_answer(boxed answer or None, entry)`, in [0, 1]."""
     name, entry = record.metadata.get("reasoning_gym"), record.metadata.get("entry")
     if name is None or entry is None:
-        raise ValueError(f"reward 'reasoning_gym' needs a record from a 'reasoning_gym:<name>' source; "
-                         f"prompt {record.prompt_id!r} has no reasoning_gym entry in its metadata")
+        raise ValueError(
+            f"reward 'reasoning_gym' needs a record from a 'reasoning_gym:<name>' source; "
+            f"prompt {record.prompt_id!r} has no reasoning_gym entry in its metadata"
+        )
     return float(_score_answer_fn(name)(answer=extract_boxed(response_text), entry=entry))
 
 

@@ -27,8 +27,14 @@ class FailureLog:
             self._counts[kind] += 1
             self._first = self._first or text
         if first_of_kind:
-            self._logger.warning("%s: %s; %s (further %s failures are only counted)%s", self._subject, text,
-                                 self._consequence, kind, f"\n{trace}" if trace else "")
+            self._logger.warning(
+                "%s: %s; %s (further %s failures are only counted)%s",
+                self._subject,
+                text,
+                self._consequence,
+                kind,
+                f"\n{trace}" if trace else "",
+            )
 
     def counts(self) -> dict[str, int]:
         """A copy of the counts by kind."""

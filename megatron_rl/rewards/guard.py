@@ -146,5 +146,9 @@ class GuardedReward:
         """A snapshot of the counters."""
         with self._lock:
             self._pending = [t for t in self._pending if t.is_alive()]
-            return RewardStats(calls=self._calls, failures=self._failures.counts(),
-                               first_error=self._failures.first_error, abandoned=len(self._pending))
+            return RewardStats(
+                calls=self._calls,
+                failures=self._failures.counts(),
+                first_error=self._failures.first_error,
+                abandoned=len(self._pending),
+            )

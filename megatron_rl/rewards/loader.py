@@ -27,14 +27,17 @@ def load_reward_fn(spec: str) -> RewardFn:
         return BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward fn must be one of {sorted(BUILTIN_REWARDS)} or "
-                         f"'package.module:function', got {spec!r}")
+        raise ValueError(
+            f"reward fn must be one of {sorted(BUILTIN_REWARDS)} or 'package.module:function', got {spec!r}"
+        )
     fn, why = find_dotted(spec)  # the import check-config runs too
     if why:
         raise ValueError(f"reward fn {spec!r}: {why}")
     if inspect.isclass(fn) or not isinstance(fn, RewardFn):
-        raise ValueError(f"reward fn {spec!r} must be a function or callable instance taking "
-                         f"(record, response_text), got {type(fn).__name__}")
+        raise ValueError(
+            f"reward fn {spec!r} must be a function or callable instance taking "
+            f"(record, response_text), got {type(fn).__name__}"
+        )
     try:
         inspect.signature(fn).bind(None, "")
     except TypeError as err:

@@ -101,8 +101,10 @@ class _Worker:
         except EOFError as err:
             code = self.proc.exitcode
             self.kill()
-            raise RuntimeError(f"reward worker for {self.spec!r} died while loading it (exit code {code}); "
-                               f"reward.fn must import in a fresh process") from err
+            raise RuntimeError(
+                f"reward worker for {self.spec!r} died while loading it (exit code {code}); "
+                f"reward.fn must import in a fresh process"
+            ) from err
 
     def kill(self) -> None:
         """End the process now (SIGKILL); the next call starts a fresh one."""
@@ -129,8 +131,10 @@ class RewardPool(GuardedReward):
             raise ValueError(f"reward.workers must be >= 1 for a RewardPool, got {workers}")
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = [_Worker(spec, start_timeout_s) for _ in range(workers)]
-        self._threads = [threading.Thread(target=self._serve, args=(w,), name="megatron_rl-reward-pool", daemon=True)
-                         for w in self._workers]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(w,), name="megatron_rl-reward-pool", daemon=True)
+            for w in self._workers
+        ]
         for thread in self._threads:
             thread.start()
 

@@ -84,8 +84,10 @@ class Delivery:
         if failed:
             self.fail(failed[0], collective_error)
         if collective_error is not None:
-            self.fail(f"{what}: the collective failed in the trainer process while every worker "
-                      f"answered: {collective_error}", collective_error)
+            self.fail(
+                f"{what}: the collective failed in the trainer process while every worker answered: {collective_error}",
+                collective_error,
+            )
         return restarted
 
     def _await(self, commands: dict, what: str) -> tuple[list[WorkerHandle], list[str]]:

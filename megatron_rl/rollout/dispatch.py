@@ -40,8 +40,9 @@ from megatron_rl.rollout.worker import Done, Failed, Generate, Loaded, Result
 PREFETCH = 2
 
 
-def generate_results(sup: Supervisor, requests: list[GenerationRequest], *,
-                     max_batch_size: int) -> Iterator[GenerationResult]:
+def generate_results(
+    sup: Supervisor, requests: list[GenerationRequest], *, max_batch_size: int
+) -> Iterator[GenerationResult]:
     """Yield one result per request of ``requests`` (ids unique), in completion order."""
     call = _Call(pending=deque(requests))
     chunk = max(1, min(max_batch_size, math.ceil(len(requests) / len(sup.workers))))

@@ -18,10 +18,18 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
         raise ValueError(f"model.hf_path: the engines' weights {settings.model_path!r} are not a directory")
     return [
         WorkerSpec(
-            index=i, backend=settings.engine, model_path=str(settings.model_path), device=device, node=nodes[i],
-            dtype=settings.engine_dtype, tensor_parallel_size=settings.tensor_parallel_size,
-            max_batch_size=settings.max_batch_size, seed=settings.sampling.seed + i, env=dict(settings.worker_env),
-            backend_kwargs=dict(settings.vllm), return_routed_experts=settings.return_routed_experts,
+            index=i,
+            backend=settings.engine,
+            model_path=str(settings.model_path),
+            device=device,
+            node=nodes[i],
+            dtype=settings.engine_dtype,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            max_batch_size=settings.max_batch_size,
+            seed=settings.sampling.seed + i,
+            env=dict(settings.worker_env),
+            backend_kwargs=dict(settings.vllm),
+            return_routed_experts=settings.return_routed_experts,
         )
         for i, device in enumerate(devices)
     ]
@@ -41,8 +49,13 @@ def build_engine(settings: EngineSettings) -> WorkerPool:
 
     remote = EngineHub(settings.sync_address, settings.engine_port) if any(s.node for s in specs) else None
     return WorkerPool(
-        specs, max_batch_size=settings.max_batch_size, max_restarts=settings.max_restarts,
-        start_timeout_s=settings.start_timeout_s, request_timeout_s=settings.request_timeout_s,
-        sync_backend=GROUP_BACKENDS[specs[0].device.kind], sync_address=settings.sync_address, remote=remote,
+        specs,
+        max_batch_size=settings.max_batch_size,
+        max_restarts=settings.max_restarts,
+        start_timeout_s=settings.start_timeout_s,
+        request_timeout_s=settings.request_timeout_s,
+        sync_backend=GROUP_BACKENDS[specs[0].device.kind],
+        sync_address=settings.sync_address,
+        remote=remote,
         initial_version=settings.initial_version,
     )

@@ -32,14 +32,17 @@ FAULTY_BACKEND = "megatron_rl.rollout.faults:FaultyBackend"
 _ENV = "MEGATRON_RL_FAULTS"  # "inner|hang|crash|seed|marker_dir"
 
 
-def with_faults(specs: Sequence[WorkerSpec], *, hang: float, crash: float, seed: int,
-                marker_dir: str | Path) -> list[WorkerSpec]:
+def with_faults(
+    specs: Sequence[WorkerSpec], *, hang: float, crash: float, seed: int, marker_dir: str | Path
+) -> list[WorkerSpec]:
     """``specs`` running ``FaultyBackend`` around their own backend (probabilities per request)."""
     if not (0 <= hang <= 1 and 0 <= crash <= 1 and hang + crash <= 1):
         raise ValueError(f"fault probabilities hang={hang}, crash={crash} must be in [0, 1] with a sum <= 1")
     Path(marker_dir).mkdir(parents=True, exist_ok=True)
-    return [replace(s, backend=FAULTY_BACKEND,
-                    env={**s.env, _ENV: f"{s.backend}|{hang}|{crash}|{seed}|{marker_dir}"}) for s in specs]
+    return [
+        replace(s, backend=FAULTY_BACKEND, env={**s.env, _ENV: f"{s.backend}|{hang}|{crash}|{seed}|{marker_dir}"})
+        for s in specs
+    ]
 
 
 def draw(seed: int, request_id: str) -> float:

@@ -18,8 +18,14 @@ import torch
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 # transformers 5's load-time renames (its conversion_mapping's WeightRenaming), checkpoint -> model
 _RENAMES = ((".block_sparse_moe.", ".mlp."),)
-_FUSED = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-          "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+_FUSED = {
+    "gate_proj": ("gate_up_proj", 0),
+    "w1": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "w3": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w2": ("down_proj", None),
+}
 
 
 def model_slot(name: str, targets: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:

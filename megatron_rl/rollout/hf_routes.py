@@ -37,8 +37,10 @@ class RouteRecorder:
         routers = moe_routers(model)
         if not routers:
             arch = type(model).__name__
-            raise ValueError(f"rollout: the hf engine's model {arch} has no top-k router to record routes from "
-                             "(algorithm.routing_replay: rollout needs an MoE model)")
+            raise ValueError(
+                f"rollout: the hf engine's model {arch} has no top-k router to record routes from "
+                "(algorithm.routing_replay: rollout needs an MoE model)"
+            )
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self._layers = sorted(routers)  # hooks fire in layer order
         self._calls: list[torch.Tensor] = []

@@ -34,9 +34,13 @@ class HFBackend:
             torch.set_num_threads(len(spec.device.ids))
         # After prepare_process the visible devices are renumbered from 0.
         self._device = torch.device("cpu" if spec.device.kind == "cpu" else f"{spec.device.kind}:0")
-        self._model = AutoModelForCausalLM.from_pretrained(
-            spec.model_path, dtype=getattr(torch, spec.dtype), **dict(spec.backend_kwargs)
-        ).to(self._device).eval()
+        self._model = (
+            AutoModelForCausalLM.from_pretrained(
+                spec.model_path, dtype=getattr(torch, spec.dtype), **dict(spec.backend_kwargs)
+            )
+            .to(self._device)
+            .eval()
+        )
         self._seeds = torch.Generator().manual_seed(spec.seed)  # for requests without a seed
         # algorithm.routing_replay: record the experts every forwarded token was routed to.
         self._routes = RouteRecorder(self._model) if spec.return_routed_experts else None
@@ -57,8 +61,9 @@ class HFBackend:
                 raise ValueError(f"{source}: tensor {name!r} is not a parameter of the rollout model")
             target_name, target = slot
             if tensor.shape != target.shape:
-                raise ValueError(f"{source}: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"{source}: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
             target.copy_(tensor)
             loaded.add(targets[target_name].data_ptr())
         missing = [n for n, p in self._model.named_parameters() if p.data_ptr() not in loaded]
@@ -71,8 +76,12 @@ class HFBackend:
         for row, tokens, logprobs, reason in self._decode(requests, routes):
             r = requests[row]
             yield GenerationResult(
-                request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tuple(tokens),
-                logprobs=tuple(logprobs), finish_reason=reason, weight_version=weight_version,
+                request_id=r.request_id,
+                prompt_ids=r.prompt_ids,
+                response_ids=tuple(tokens),
+                logprobs=tuple(logprobs),
+                finish_reason=reason,
+                weight_version=weight_version,
                 routed_experts=RoutedExperts(torch.cat(routes[row]).numpy()) if self._routes else None,
             )
 
@@ -82,8 +91,7 @@ class HFBackend:
 
     def _generators(self, requests: Sequence[GenerationRequest]) -> list[torch.Generator]:
         seeds = [
-            r.sampling.seed if r.sampling.seed is not None
-            else int(torch.randint(2**62, (), generator=self._seeds))
+            r.sampling.seed if r.sampling.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
             for r in requests
         ]
         return [torch.Generator().manual_seed(s) for s in seeds]
@@ -96,20 +104,21 @@ class HFBackend:
         ids = torch.zeros(len(requests), prompt_len, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(requests):
-            ids[i, prompt_len - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, prompt_len - len(r.prompt_ids):] = 1
+            ids[i, prompt_len - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, prompt_len - len(r.prompt_ids) :] = 1
         ids, mask = ids.to(self._device), mask.to(self._device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         if self._routes is not None:  # the prompt's rows, left padding dropped
             prefill = self._routes.take(len(requests), prompt_len)
             for i, r in enumerate(requests):
-                routes[i].append(prefill[i, prompt_len - len(r.prompt_ids):])
+                routes[i].append(prefill[i, prompt_len - len(r.prompt_ids) :])
         return out.past_key_values, out.logits[:, -1], positions[:, -1] + 1, mask
 
     @torch.no_grad()
-    def _decode(self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]
-                ) -> Iterator[tuple[int, list, list, str]]:
+    def _decode(
+        self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]
+    ) -> Iterator[tuple[int, list, list, str]]:
         """Yield (row, response ids, log-probs, finish reason) per request as rows finish; with
         route recording on, ``routes[i]`` gets the routes of each token request i forwards."""
         cache, logits, next_pos, mask = self._prefill(requests, routes)
@@ -139,8 +148,13 @@ class HFBackend:
                 tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
                 rows = [rows[j] for j in keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            out = self._model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                              past_key_values=cache, use_cache=True)
+            out = self._model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
             if self._routes is not None:
                 step_routes = self._routes.take(len(rows), 1)

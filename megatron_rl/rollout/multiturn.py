@@ -146,12 +146,24 @@ class _Live:
 
     def finish(self) -> Trajectory:
         return Trajectory(
-            request_id=self.key, prompt_index=self.p, k=self.k, prompt_ids=self.prompt_ids,
-            response_ids=tuple(self.ids), loss_mask=tuple(self.mask), behav_logprobs=tuple(self.logprobs),
-            turn_versions=tuple(self.versions), finish_reason=self.finish_reason, truncated=self.truncated,
-            reward=self.reward, last_text=self.last_text, tool_calls=self.tool_calls,
-            tool_errors=self.tool_errors, env_failures=self.env_failures, env_s=self.env_s,
-            turn_prompt_tokens=self.turn_prompt_tokens, cached_tokens=self.cached_tokens,
+            request_id=self.key,
+            prompt_index=self.p,
+            k=self.k,
+            prompt_ids=self.prompt_ids,
+            response_ids=tuple(self.ids),
+            loss_mask=tuple(self.mask),
+            behav_logprobs=tuple(self.logprobs),
+            turn_versions=tuple(self.versions),
+            finish_reason=self.finish_reason,
+            truncated=self.truncated,
+            reward=self.reward,
+            last_text=self.last_text,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            env_failures=self.env_failures,
+            env_s=self.env_s,
+            turn_prompt_tokens=self.turn_prompt_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -170,13 +182,27 @@ class _StreamEnded:
 class MultiTurnRollout:
     """Runs a batch's trajectories through a streaming engine and a step runner (module doc)."""
 
-    def __init__(self, *, settings: MultiTurnSettings, env_factory: Callable[[], Any], runner: StepRunner,
-                 sampling: SamplingSettings, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        *,
+        settings: MultiTurnSettings,
+        env_factory: Callable[[], Any],
+        runner: StepRunner,
+        sampling: SamplingSettings,
+        poll_s: float = 0.05,
+    ) -> None:
         self.settings, self._env_factory, self._runner = settings, env_factory, runner
         self._sampling, self._poll_s = sampling, poll_s
 
-    def run(self, engine: StreamingEngine, starts: Sequence[GroupStart], group_size: int, *,
-            stop: threading.Event, check_version: Callable[[str, int], None]) -> Iterator[Trajectory | FailedGroup]:
+    def run(
+        self,
+        engine: StreamingEngine,
+        starts: Sequence[GroupStart],
+        group_size: int,
+        *,
+        stop: threading.Event,
+        check_version: Callable[[str, int], None],
+    ) -> Iterator[Trajectory | FailedGroup]:
         """Yield a ``FailedGroup`` for each prompt whose reset failed, then every (prompt, k)
         trajectory of the other ``starts`` x ``group_size`` as it finishes;
         ``check_version(request_id, version)`` sees every turn. Returns early (nothing more
@@ -202,8 +228,10 @@ class MultiTurnRollout:
         """Reset one environment per (prompt, k) on the runner: the live trajectories of the
         groups whose K resets succeeded (their first prompts must agree), a ``FailedGroup`` for each other."""
         envs = [[self._env_factory() for _ in range(group_size)] for _ in starts]
-        resets = [[self._runner.submit_reset(env, dict(start.fields), tag=f"{start.base}/{k}")
-                   for k, env in enumerate(row)] for start, row in zip(starts, envs, strict=True)]
+        resets = [
+            [self._runner.submit_reset(env, dict(start.fields), tag=f"{start.base}/{k}") for k, env in enumerate(row)]
+            for start, row in zip(starts, envs, strict=True)
+        ]
         live: dict[str, _Live] = {}
         failed: list[FailedGroup] = []
         for p, start in enumerate(starts):
@@ -218,8 +246,14 @@ class MultiTurnRollout:
             prompt = self._shared_prompt(start.base, [f.result() for f in resets[p]], envs[p])
             for k, env in enumerate(envs[p]):
                 key = f"{start.base}/{k}"
-                live[key] = _Live(key=key, p=p, k=k, env=env, prompt_ids=prompt,
-                                  seed_of=lambda turn, k=k, seed=start.seed: seed(k, turn))
+                live[key] = _Live(
+                    key=key,
+                    p=p,
+                    k=k,
+                    env=env,
+                    prompt_ids=prompt,
+                    seed_of=lambda turn, k=k, seed=start.seed: seed(k, turn),
+                )
         return live, failed
 
     def _shared_prompt(self, base: str, first_messages: Sequence[Any], envs: Sequence[Any]) -> tuple[int, ...]:
@@ -228,17 +262,27 @@ class MultiTurnRollout:
         for k, (messages, env) in enumerate(zip(first_messages, envs, strict=True)):
             ids = tuple(self.settings.encode_prompt(messages, env.tools))
             if shared is not None and ids != shared:
-                raise ValueError(f"environment reset gave trajectory {k} of {base!r} another first prompt "
-                                 "than trajectory 0: reset must depend on the record only (shared prompt)")
+                raise ValueError(
+                    f"environment reset gave trajectory {k} of {base!r} another first prompt "
+                    "than trajectory 0: reset must depend on the record only (shared prompt)"
+                )
             if len(ids) >= self.settings.max_total_tokens:
-                raise ValueError(f"{base}: the first prompt has {len(ids)} tokens, no room for a model turn "
-                                 f"under environment.max_total_tokens={self.settings.max_total_tokens}")
+                raise ValueError(
+                    f"{base}: the first prompt has {len(ids)} tokens, no room for a model turn "
+                    f"under environment.max_total_tokens={self.settings.max_total_tokens}"
+                )
             shared = ids
         assert shared is not None
         return shared
 
-    def _loop(self, live: dict[str, _Live], feed: RequestFeed, events: queue.Queue, stop: threading.Event,
-              check_version: Callable[[str, int], None]) -> Iterator[Trajectory]:
+    def _loop(
+        self,
+        live: dict[str, _Live],
+        feed: RequestFeed,
+        events: queue.Queue,
+        stop: threading.Event,
+        check_version: Callable[[str, int], None],
+    ) -> Iterator[Trajectory]:
         while live:
             if stop.is_set():
                 return
@@ -247,8 +291,7 @@ class MultiTurnRollout:
             except queue.Empty:
                 continue
             if isinstance(event, _StreamEnded):
-                raise RuntimeError(f"the turn stream ended with {len(live)} trajectories unfinished") \
-                    from event.error
+                raise RuntimeError(f"the turn stream ended with {len(live)} trajectories unfinished") from event.error
             if isinstance(event, GenerationResult):
                 check_version(event.request_id, event.weight_version)
                 key, _, _ = event.request_id.rpartition("/")
@@ -265,10 +308,16 @@ class MultiTurnRollout:
 
     def _submit_turn(self, feed: RequestFeed, traj: _Live) -> None:
         turn = len(traj.versions)
-        sampling = replace(self._sampling, seed=traj.seed_of(turn),
-                           max_new_tokens=min(self._sampling.max_new_tokens, self._budget_left(traj)))
-        feed.put(GenerationRequest(request_id=f"{traj.key}/{turn}", prompt_ids=traj.prompt_ids + tuple(traj.ids),
-                                   sampling=sampling))
+        sampling = replace(
+            self._sampling,
+            seed=traj.seed_of(turn),
+            max_new_tokens=min(self._sampling.max_new_tokens, self._budget_left(traj)),
+        )
+        feed.put(
+            GenerationRequest(
+                request_id=f"{traj.key}/{turn}", prompt_ids=traj.prompt_ids + tuple(traj.ids), sampling=sampling
+            )
+        )
 
     def _on_turn(self, traj: _Live, result: GenerationResult, events: queue.Queue) -> bool:
         """Append a model turn; hand its text to the environment. True if the trajectory ended."""

@@ -51,17 +51,31 @@ class WorkerPool:
     """``RolloutEngine`` over worker processes built from ``specs`` (one process per spec)."""
 
     def __init__(
-        self, specs: Sequence[WorkerSpec], *, max_batch_size: int, max_restarts: int = 3,
-        start_timeout_s: float = 600.0, request_timeout_s: float = 600.0, sync_backend: str = "gloo",
-        sync_address: str = "127.0.0.1", remote=None, initial_version: int = 0,
+        self,
+        specs: Sequence[WorkerSpec],
+        *,
+        max_batch_size: int,
+        max_restarts: int = 3,
+        start_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        sync_backend: str = "gloo",
+        sync_address: str = "127.0.0.1",
+        remote=None,
+        initial_version: int = 0,
     ):
         """``sync_backend`` / ``sync_address``: the collective backend the workers' devices speak
         and the interface the sync groups' listeners bind to (``weight_sync.broadcast``);
         ``remote``: the ``rollout.remote.EngineHub`` that starts the workers of nodes > 0
         (closed with the pool); ``initial_version``: the version of the weights the workers start
         from (a resumed run's step, so versions keep counting optimizer steps)."""
-        self._sup = Supervisor(specs, max_restarts=max_restarts, start_timeout_s=start_timeout_s,
-                               request_timeout_s=request_timeout_s, remote=remote, version=initial_version)
+        self._sup = Supervisor(
+            specs,
+            max_restarts=max_restarts,
+            start_timeout_s=start_timeout_s,
+            request_timeout_s=request_timeout_s,
+            remote=remote,
+            version=initial_version,
+        )
         self._sync = Delivery(self._sup, group_backend=sync_backend, address=sync_address)
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()

@@ -76,8 +76,10 @@ class Exited:
 
 
 KEY_VAR = "MEGATRON_RL_ENGINE_KEY"
-KEY_HOWTO = (f"export {KEY_VAR}=$(python -c 'import secrets;print(secrets.token_hex(32))') once, and give "
-             "every node (rank 0 and each engine host) that same value")
+KEY_HOWTO = (
+    f"export {KEY_VAR}=$(python -c 'import secrets;print(secrets.token_hex(32))') once, and give "
+    "every node (rank 0 and each engine host) that same value"
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -100,7 +102,8 @@ def engine_key(host: str, port: int) -> bytes:
         raise ValueError(
             f"remote engines: the engine hub at {host}:{port} (rollout.sync_address / rollout.engine_port, or "
             f"serve --connect) is not a loopback address, and {KEY_VAR} is not set, so anyone who can reach it "
-            f"could make rank 0 load their data. Set a secret key: {KEY_HOWTO}")
+            f"could make rank 0 load their data. Set a secret key: {KEY_HOWTO}"
+        )
     text = secret or f"megatron_rl-engines:{host}:{port}"
     return hashlib.sha256(text.encode()).digest()
 
@@ -117,8 +120,10 @@ class EngineHub:
             self._sock.bind((host, port))
         except OSError as err:
             self._sock.close()
-            raise OSError(f"rollout.engine_port: cannot listen on {host}:{port} for remote engines ({err}); "
-                          "choose a free port (the launchers use MASTER_PORT + 1)") from err
+            raise OSError(
+                f"rollout.engine_port: cannot listen on {host}:{port} for remote engines ({err}); "
+                "choose a free port (the launchers use MASTER_PORT + 1)"
+            ) from err
         self._sock.listen(64)
         self._cond = threading.Condition()
         self._control: dict[int, Connection] = {}
@@ -129,18 +134,23 @@ class EngineHub:
 
     def spawn(self, spec: WorkerSpec, start_load, version: int, timeout_s: float) -> tuple[RemoteProcess, Connection]:
         """Start engine ``spec.index`` on its node's host; (its process stand-in, its data connection)."""
-        control = self._wait(lambda: self._control.get(spec.index), timeout_s,
-                             f"no engine host of node {spec.node} connected for engine {spec.index} "
-                             f"(start `python -m megatron_rl serve CONFIG --node-rank {spec.node}` there)")
+        control = self._wait(
+            lambda: self._control.get(spec.index),
+            timeout_s,
+            f"no engine host of node {spec.node} connected for engine {spec.index} "
+            f"(start `python -m megatron_rl serve CONFIG --node-rank {spec.node}` there)",
+        )
         nonce = next(self._nonces)
         process = RemoteProcess(spec, control, nonce)
         try:
             control.send(Spawn(nonce, spec, start_load, version))
         except OSError:
             process.lost()
-        conn, pid = self._wait(lambda: self._data.pop((spec.index, nonce), None) or (
-            (None, None) if not process.is_alive() else None), timeout_s,
-            f"engine {spec.index} on node {spec.node} did not connect (rollout.start_timeout_s)")
+        conn, pid = self._wait(
+            lambda: self._data.pop((spec.index, nonce), None) or ((None, None) if not process.is_alive() else None),
+            timeout_s,
+            f"engine {spec.index} on node {spec.node} did not connect (rollout.start_timeout_s)",
+        )
         if conn is None:  # ended before connecting: Supervisor reports its exit code
             conn = _closed_connection()
         process.pid = pid

@@ -34,20 +34,24 @@ def score_results(sup: Supervisor, requests: Sequence[ScoreRequest]) -> list[Sco
                     _send(w, lost)
                 elif isinstance(message, Result) and w.in_flight.pop(message.result.request_id, None):
                     if message.result.weight_version != sup.version:
-                        raise RolloutWorkerError(f"rollout worker {w.spec.index} scored at version "
-                                                 f"{message.result.weight_version}, the pool runs {sup.version}")
+                        raise RolloutWorkerError(
+                            f"rollout worker {w.spec.index} scored at version "
+                            f"{message.result.weight_version}, the pool runs {sup.version}"
+                        )
                     answered[message.result.request_id] = message.result
                 elif isinstance(message, Done):
                     w.outstanding -= 1
                     w.chunks.clear()
                     if w.in_flight:
-                        raise RolloutWorkerError(f"rollout worker {w.spec.index} finished scoring without "
-                                                 f"answering {list(w.in_flight)[:5]}")
+                        raise RolloutWorkerError(
+                            f"rollout worker {w.spec.index} finished scoring without answering {list(w.in_flight)[:5]}"
+                        )
                 elif isinstance(message, Failed):
                     w.outstanding -= 1
                     w.reset()
-                    raise RolloutWorkerError(f"rollout worker {w.spec.index} failed to score "
-                                             f"{list(message.request_ids)}:\n{message.error}")
+                    raise RolloutWorkerError(
+                        f"rollout worker {w.spec.index} failed to score {list(message.request_ids)}:\n{message.error}"
+                    )
     finally:
         drain(sup)
     return list(answered.values())

@@ -73,7 +73,7 @@ def hf_score(model, requests: Sequence[ScoreRequest], weight_version: int) -> It
         for r in requests:
             ids = torch.tensor([r.prompt_ids + r.response_ids], device=device)
             n = len(r.prompt_ids)
-            logits = model(input_ids=ids).logits[0, n - 1:-1].float()  # [Lr, V]: position t predicts t + 1
+            logits = model(input_ids=ids).logits[0, n - 1 : -1].float()  # [Lr, V]: position t predicts t + 1
             lp = torch.log_softmax(logits / r.temperature, dim=-1).gather(-1, ids[0, n:, None])[:, 0]
             yield ScoreResult(request_id=r.request_id, logprobs=tuple(lp.tolist()), weight_version=weight_version)
 
@@ -84,8 +84,10 @@ def vllm_score(llm, requests: Sequence[ScoreRequest], weight_version: int) -> It
 
     hot = [r.request_id for r in requests if r.temperature != 1.0]
     if hot:
-        raise ValueError(f"the vllm engine scores at temperature 1 only (vLLM 0.32's prompt log-probs are "
-                         f"taken before temperature); requests {hot[:5]} ask for another")
+        raise ValueError(
+            f"the vllm engine scores at temperature 1 only (vLLM 0.32's prompt log-probs are "
+            f"taken before temperature); requests {hot[:5]} ask for another"
+        )
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(r.prompt_ids + r.response_ids)} for r in requests]
     for r, out in zip(requests, llm.generate(prompts, params, use_tqdm=False), strict=True):

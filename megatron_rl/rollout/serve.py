@@ -44,8 +44,10 @@ def connect(hub: tuple[str, int], hello: HostHello, timeout_s: float) -> Connect
             conn = Client(hub, authkey=engine_key(*hub))
         except (ConnectionRefusedError, OSError):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"engine host: no dispatcher listening at {hub[0]}:{hub[1]} after {timeout_s} s "
-                                   "(rollout.sync_address / rollout.engine_port; rollout.start_timeout_s)") from None
+                raise TimeoutError(
+                    f"engine host: no dispatcher listening at {hub[0]}:{hub[1]} after {timeout_s} s "
+                    "(rollout.sync_address / rollout.engine_port; rollout.start_timeout_s)"
+                ) from None
             time.sleep(0.5)
             continue
         conn.send(hello)
@@ -85,8 +87,11 @@ class EngineKeeper:
         spec = self._wrap(command.spec) if self._wrap is not None else command.spec
         self._nonce = command.nonce
         self._process = self._ctx.Process(
-            target=remote_worker_main, args=(spec, self.hub, command.nonce, command.start_load, command.version),
-            name=f"rollout-worker-{spec.index}", daemon=False)
+            target=remote_worker_main,
+            args=(spec, self.hub, command.nonce, command.start_load, command.version),
+            name=f"rollout-worker-{spec.index}",
+            daemon=False,
+        )
         self._process.start()
         threading.Thread(target=self._report_exit, args=(conn, self._process, command.nonce), daemon=True).start()
 
@@ -122,8 +127,10 @@ def serve(specs: list[WorkerSpec], hub: tuple[str, int], *, timeout_s: float, wr
     threads = [threading.Thread(target=keep, args=(s,), name=f"engine-{s.index}") for s in specs]
     for t in threads:
         t.start()
-    print(f"engine host: engines {[s.index for s in specs]} of node {specs[0].node} serving {hub[0]}:{hub[1]}",
-          file=sys.stderr)
+    print(
+        f"engine host: engines {[s.index for s in specs]} of node {specs[0].node} serving {hub[0]}:{hub[1]}",
+        file=sys.stderr,
+    )
     for t in threads:
         t.join()
     for err in errors:
@@ -134,14 +141,26 @@ def serve(specs: list[WorkerSpec], hub: tuple[str, int], *, timeout_s: float, wr
 def add_arguments(parser) -> None:
     """The ``serve`` command's flags."""
     parser.add_argument("--node-rank", type=int, required=True, help="this node's rank (rollout.engine_nodes)")
-    parser.add_argument("--connect", default=None, help="HOST:PORT of rank 0's engine hub (default: "
-                        "rollout.sync_address:rollout.engine_port)")
-    parser.add_argument("--chaos-crash", type=float, default=0.0, help="chaos runs: probability that a worker "
-                        "exits before answering a request (seeded, once per request id; rollout.faults)")
+    parser.add_argument(
+        "--connect",
+        default=None,
+        help="HOST:PORT of rank 0's engine hub (default: rollout.sync_address:rollout.engine_port)",
+    )
+    parser.add_argument(
+        "--chaos-crash",
+        type=float,
+        default=0.0,
+        help="chaos runs: probability that a worker "
+        "exits before answering a request (seeded, once per request id; rollout.faults)",
+    )
     parser.add_argument("--chaos-seed", type=int, default=0)
     parser.add_argument("--chaos-dir", default=None, help="marker directory of the fired faults (chaos runs)")
-    parser.add_argument("--address", default=None, help="this node's address on the cluster network (the weight "
-                        "sync groups bind to it; default: the hub's host, right on one machine)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="this node's address on the cluster network (the weight "
+        "sync groups bind to it; default: the hub's host, right on one machine)",
+    )
 
 
 def serve_command(cfg, args) -> int:
@@ -150,7 +169,7 @@ def serve_command(cfg, args) -> int:
     from megatron_rl.trainer.from_config import engine_settings
 
     r = cfg.rollout
-    host, port = (args.connect.rsplit(":", 1) if args.connect else (r.sync_address, r.engine_port))
+    host, port = args.connect.rsplit(":", 1) if args.connect else (r.sync_address, r.engine_port)
     if args.address:
         os.environ[NODE_ADDR_VAR] = args.address  # inherited by the worker processes
     specs = [s for s in worker_specs(engine_settings(cfg)) if s.node == args.node_rank]
@@ -159,6 +178,12 @@ def serve_command(cfg, args) -> int:
         from megatron_rl.rollout.faults import with_faults
 
         def wrap(spec: WorkerSpec) -> WorkerSpec:
-            return with_faults([spec], hang=0.0, crash=args.chaos_crash, seed=args.chaos_seed,
-                               marker_dir=args.chaos_dir or "/tmp/megatron_rl_chaos")[0]
+            return with_faults(
+                [spec],
+                hang=0.0,
+                crash=args.chaos_crash,
+                seed=args.chaos_seed,
+                marker_dir=args.chaos_dir or "/tmp/megatron_rl_chaos",
+            )[0]
+
     return serve(specs, (host, int(port)), timeout_s=r.start_timeout_s, wrap=wrap)

@@ -149,17 +149,29 @@ class WorkerHandle:
 
     def status(self) -> WorkerStatus:
         return WorkerStatus(
-            index=self.spec.index, pid=self.process.pid if self.process else None,
-            alive=bool(self.process and self.process.is_alive()), device=str(self.spec.device),
-            in_flight=tuple(self.in_flight), restarts=self.restarts, reissued=self.reissued,
+            index=self.spec.index,
+            pid=self.process.pid if self.process else None,
+            alive=bool(self.process and self.process.is_alive()),
+            device=str(self.spec.device),
+            in_flight=tuple(self.in_flight),
+            restarts=self.restarts,
+            reissued=self.reissued,
         )
 
 
 class Supervisor:
     """Starts, watches and restarts the worker processes of one pool."""
 
-    def __init__(self, specs: Sequence[WorkerSpec], *, max_restarts: int, start_timeout_s: float,
-                 request_timeout_s: float, remote=None, version: int = 0):
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        *,
+        max_restarts: int,
+        start_timeout_s: float,
+        request_timeout_s: float,
+        remote=None,
+        version: int = 0,
+    ):
         self._ctx = mp.get_context("spawn")
         self.remote = remote  # rollout.remote.EngineHub: starts the workers of nodes > 0 (spec.node)
         self.workers = [WorkerHandle(spec) for spec in specs]
@@ -177,8 +189,9 @@ class Supervisor:
         for w in self.workers:
             self._await_ready(w)
 
-    def next_events(self, workers: list[WorkerHandle],
-                    extra: Sequence = ()) -> Iterator[tuple[WorkerHandle, object | None]]:
+    def next_events(
+        self, workers: list[WorkerHandle], extra: Sequence = ()
+    ) -> Iterator[tuple[WorkerHandle, object | None]]:
         """Block until some of ``workers`` (or a waitable of ``extra``: a ``RequestFeed``'s handle)
         has news or the earliest hang deadline; yield (worker, message) per message, then
         (worker, None) once per worker found dead or hung."""
@@ -204,13 +217,17 @@ class Supervisor:
     def _kill_hung(self, w: WorkerHandle, now: float) -> None:
         unsent = f"; a command could not be written to it: {w.sender.error!r}" if w.sender.error else ""
         unsent += f"; a message from it could not be read: {w.recv_error!r}" if w.recv_error else ""
-        w.failure = (f"hung: no answer for {now - w.last_heard:.1f} s with requests {sorted(w.in_flight)[:8]} "
-                     f"in flight (rollout.request_timeout_s={self.request_timeout_s}){unsent}")
+        w.failure = (
+            f"hung: no answer for {now - w.last_heard:.1f} s with requests {sorted(w.in_flight)[:8]} "
+            f"in flight (rollout.request_timeout_s={self.request_timeout_s}){unsent}"
+        )
         w.process.kill()
         w.process.join(STOP_GRACE_S)
         if w.process.is_alive():  # e.g. stuck in an uninterruptible device call
-            raise RolloutWorkerError(f"rollout worker {w.spec.index} (pid {w.process.pid}) {w.failure}, and "
-                                     f"it did not exit within {STOP_GRACE_S} s of SIGKILL")
+            raise RolloutWorkerError(
+                f"rollout worker {w.spec.index} (pid {w.process.pid}) {w.failure}, and "
+                f"it did not exit within {STOP_GRACE_S} s of SIGKILL"
+            )
 
     def count_death(self, w: WorkerHandle, deaths: int, during: str) -> int:
         """``deaths + 1``; ``RolloutWorkerError`` once that exceeds ``max_restarts``."""
@@ -249,7 +266,8 @@ class Supervisor:
             return
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         w.process = self._ctx.Process(
-            target=worker_main, args=(w.spec, child_conn, self.start_load, self.version),
+            target=worker_main,
+            args=(w.spec, child_conn, self.start_load, self.version),
             name=f"rollout-worker-{w.spec.index}",
         )
         w.process.start()
@@ -260,8 +278,9 @@ class Supervisor:
         if not wait([w.conn, w.process.sentinel], timeout=self.start_timeout_s):
             w.process.kill()
             w.process.join(STOP_GRACE_S)
-            raise RolloutWorkerError(f"rollout worker {w.spec.index} not ready after {self.start_timeout_s} s "
-                                     "(rollout.start_timeout_s)")
+            raise RolloutWorkerError(
+                f"rollout worker {w.spec.index} not ready after {self.start_timeout_s} s (rollout.start_timeout_s)"
+            )
         message = _try_recv(w)
         if isinstance(message, Ready):
             assert message.version == self.version, (message.version, self.version)

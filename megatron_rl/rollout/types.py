@@ -5,6 +5,7 @@ each with exactly one ``GenerationResult`` (sampled token ids, their behaviour l
 the weight version that produced them), and the trainer's weight sender pushes new weights
 with ``load_weights`` between batches (a ``megatron_rl.weight_sync.WeightUpdate``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence

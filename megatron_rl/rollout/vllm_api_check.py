@@ -45,8 +45,11 @@ def _installed(call: ApiCall) -> bool:
     if call.kind == "field":
         return _has_field(owner, call.member)
     member = inspect.getattr_static(owner, call.member, None)
-    return callable(getattr(owner, call.member, None)) and member is not None and _has_params(
-        getattr(owner, call.member), call.params)
+    return (
+        callable(getattr(owner, call.member, None))
+        and member is not None
+        and _has_params(getattr(owner, call.member), call.params)
+    )
 
 
 def _has_params(fn, params: tuple[str, ...]) -> bool:
@@ -106,8 +109,10 @@ class SourceIndex:
     def _member_in(self, cls: ast.ClassDef, call: ApiCall) -> bool:
         if call.kind == "field":
             return call.member in _class_fields(cls)
-        fn = next((n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   and n.name == call.member), None)
+        fn = next(
+            (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == call.member),
+            None,
+        )
         return fn is not None and all(p in _arg_names(fn) for p in call.params)
 
     def _mro(self, cls: ast.ClassDef, module: str, depth: int = 0) -> list[tuple[ast.ClassDef, str]]:
@@ -159,7 +164,7 @@ def _absolute(module: str, imp: ast.ImportFrom, is_package: bool) -> str:
     if not imp.level:
         return imp.module or ""
     parts = module.split(".")
-    base = parts[:len(parts) - imp.level + (1 if is_package else 0)]
+    base = parts[: len(parts) - imp.level + (1 if is_package else 0)]
     return ".".join(base + ([imp.module] if imp.module else []))
 
 

@@ -67,7 +67,8 @@ class VLLMBackend:
         prefix cache."""
         if self._tp == 1:
             ((loaded, names),) = self._engine.apply_model(
-                partial(load_in_place, named_tensors, repack=self._device_kind == "cpu"))
+                partial(load_in_place, named_tensors, repack=self._device_kind == "cpu")
+            )
             missing = sorted(set(names) - set(loaded))
             if missing:
                 raise ValueError(f"weight sync lacks parameters {missing[:5]} ({len(missing)} in all)")
@@ -186,8 +187,14 @@ def _params(r: GenerationRequest):
 
     s = r.sampling
     return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
-        seed=s.seed, logprobs=0, ignore_eos=True, detokenize=False,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_new_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+        seed=s.seed,
+        logprobs=0,
+        ignore_eos=True,
+        detokenize=False,
     )
 
 
@@ -204,9 +211,12 @@ def _result(r: GenerationRequest, out, weight_version: int) -> GenerationResult:
     routes = getattr(completion, "routed_experts", None)
     return GenerationResult(
         routed_experts=None if routes is None else RoutedExperts(routes),
-        request_id=r.request_id, prompt_ids=r.prompt_ids, response_ids=tokens,
+        request_id=r.request_id,
+        prompt_ids=r.prompt_ids,
+        response_ids=tokens,
         logprobs=tuple(step[t].logprob for step, t in zip(completion.logprobs, tokens, strict=True)),
-        finish_reason=_finish_reason(r.request_id, completion.finish_reason), weight_version=weight_version,
+        finish_reason=_finish_reason(r.request_id, completion.finish_reason),
+        weight_version=weight_version,
         cached_tokens=out.num_cached_tokens,
     )
 

@@ -40,24 +40,44 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
     The parallel state must be initialised (``megatron_rl.parallel.state.initialize_parallel``).
     """
     m, t = settings.model, settings.trainer
-    build = {"params_dtype": DTYPES[m.dtype], "attention_backend": settings.attention.backend,
-             "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-             "megatron_overrides": dict(m.megatron) or None,
-             "moe_losses": moe_loss_kwargs(m.moe.load_balancing, m.moe.aux_loss_coeff, m.moe.z_loss_coeff)}
+    build = {
+        "params_dtype": DTYPES[m.dtype],
+        "attention_backend": settings.attention.backend,
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "megatron_overrides": dict(m.megatron) or None,
+        "moe_losses": moe_loss_kwargs(m.moe.load_balancing, m.moe.aux_loss_coeff, m.moe.z_loss_coeff),
+    }
     policy, spec = load_model_from_hf(settings.hf_path, **build)
     ddp, optimizer = wrap_for_training(policy, t, distributed_optimizer=settings.parallel.distributed_optimizer)
     plan = trimodel_plan(settings.loss, t)
     old, ref = load_frozen_copies(plan, policy_path=Path(settings.hf_path), ref_path=settings.ref_path, **build)
-    trimodel = TriModel(policy=ddp, old=old, ref=ref, plan=plan, vocab_size=spec.vocab_size,
-                        temperature=settings.temperature, with_entropy=settings.loss.entropy_coef > 0,
-                        logprob_chunk_tokens=t.logprob_chunk_tokens, routing_replay=settings.routing_replay)
-    trainer = PolicyTrainer(trimodel=trimodel, ddp=ddp, optimizer=optimizer, loss=settings.loss,
-                            shared_prompt=settings.attention.shared_prompt)
+    trimodel = TriModel(
+        policy=ddp,
+        old=old,
+        ref=ref,
+        plan=plan,
+        vocab_size=spec.vocab_size,
+        temperature=settings.temperature,
+        with_entropy=settings.loss.entropy_coef > 0,
+        logprob_chunk_tokens=t.logprob_chunk_tokens,
+        routing_replay=settings.routing_replay,
+    )
+    trainer = PolicyTrainer(
+        trimodel=trimodel,
+        ddp=ddp,
+        optimizer=optimizer,
+        loss=settings.loss,
+        shared_prompt=settings.attention.shared_prompt,
+    )
     return trainer, policy, spec
 
 
 def trimodel_plan(loss: LossSettings, trainer: TrainerConfig) -> TriModelPlan:
     """Which copies the tri-model runs and where they live, for ``loss`` and the ``trainer`` section
     (what training builds, what ``bench`` counts and what ``plan`` sizes)."""
-    return plan_trimodel(loss, optimizer_steps_per_batch=trainer.mini_batches, offload_old=trainer.offload_old,
-                         offload_ref=trainer.offload_reference)
+    return plan_trimodel(
+        loss,
+        optimizer_steps_per_batch=trainer.mini_batches,
+        offload_old=trainer.offload_old,
+        offload_ref=trainer.offload_reference,
+    )

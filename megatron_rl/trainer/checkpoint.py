@@ -89,8 +89,10 @@ def check_plain(tree: Any, where: str) -> None:
         for i, value in enumerate(tree):
             check_plain(value, f"{where}[{i}]")
     elif not isinstance(tree, _PLAIN):
-        raise CheckpointError(f"{where}: a {type(tree).__name__} cannot be saved for safe loading "
-                              "(weights_only); convert it to tensors or plain values")
+        raise CheckpointError(
+            f"{where}: a {type(tree).__name__} cannot be saved for safe loading "
+            "(weights_only); convert it to tensors or plain values"
+        )
 
 
 def finalize(staging: Path, state: RunState) -> Path:
@@ -129,26 +131,33 @@ def verify_checkpoint(path: str | Path) -> None:
             raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is missing")
         size = file.stat().st_size
         if size != entry["size"]:
-            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is truncated or altered: "
-                                  f"{size} bytes, the manifest says {entry['size']}")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: file {name} is truncated or altered: "
+                f"{size} bytes, the manifest says {entry['size']}"
+            )
         if _sha256(file) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {str(path)!r}: file {name} is corrupted (sha256 differs "
-                                  "from the manifest)")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: file {name} is corrupted (sha256 differs from the manifest)"
+            )
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST_FILE
     if not file.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r}: no {MANIFEST_FILE} (an incomplete save, or written by an "
-                              "older version: refused, its integrity cannot be checked)")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: no {MANIFEST_FILE} (an incomplete save, or written by an "
+            "older version: refused, its integrity cannot be checked)"
+        )
     bad = CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST_FILE} is unreadable or corrupted")
     try:
         manifest = json.loads(file.read_text())
     except ValueError as err:  # JSON or UTF-8 decoding
         raise bad from err
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT or not all(
-        isinstance(e, dict) and {"size", "sha256"} <= set(e) for e in files.values()
+    if (
+        not isinstance(files, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not all(isinstance(e, dict) and {"size", "sha256"} <= set(e) for e in files.values())
     ):
         raise bad
     return manifest
@@ -171,8 +180,10 @@ def load_optimizer(optimizer, path: str | Path) -> None:
     """Restore this rank's optimizer state from a checkpoint (``weights_only`` loading)."""
     file = Path(path) / "optimizer" / f"rank_{_rank()}.pt"
     if not file.is_file():
-        raise CheckpointError(f"trainer.resume_from={str(path)!r}: missing {file.name} for rank {_rank()} "
-                              "(was it saved with a different world size?)")
+        raise CheckpointError(
+            f"trainer.resume_from={str(path)!r}: missing {file.name} for rank {_rank()} "
+            "(was it saved with a different world size?)"
+        )
     try:
         state = torch.load(file, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:  # refused or unreadable
@@ -183,8 +194,10 @@ def load_optimizer(optimizer, path: str | Path) -> None:
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
     """The complete checkpoint (``step_N`` whose manifest verifies) with the largest N in
     ``save_dir``, or None; ``step_N.tmp`` and damaged ones are skipped (a save the kill interrupted)."""
-    steps = sorted(((int(p.name[5:]), p) for p in Path(save_dir).glob("step_*")
-                    if p.is_dir() and p.name[5:].isdigit()), reverse=True)
+    steps = sorted(
+        ((int(p.name[5:]), p) for p in Path(save_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+        reverse=True,
+    )
     for _, path in steps:
         try:
             verify_checkpoint(path)
@@ -202,8 +215,9 @@ def resolve_resume(cfg: Any) -> Any:
         return cfg
     found = latest_checkpoint(t.save_dir) if t.save_dir else None
     if _rank() == 0:
-        print(f"megatron_rl: trainer.resume_from=auto -> {found or 'no complete checkpoint: a fresh start'}",
-              flush=True)
+        print(
+            f"megatron_rl: trainer.resume_from=auto -> {found or 'no complete checkpoint: a fresh start'}", flush=True
+        )
     return dataclasses.replace(cfg, trainer=dataclasses.replace(t, resume_from=str(found) if found else None))
 
 

@@ -53,10 +53,15 @@ def make_probe(cfg, engine, *, replay: bool) -> EngineProbe | None:
         return None
     if not callable(getattr(engine, "score", None)):
         if configured is not None:
-            raise ValueError(f"algorithm.rollout_correction.probe_sequences={configured}: the rollout engine "
-                             f"({type(engine).__name__}) has no score(); set it to 0")
-        warnings.warn(f"engine probe off: the rollout engine ({type(engine).__name__}) has no score(), so "
-                      "stale mode measures no mismatch", stacklevel=2)
+            raise ValueError(
+                f"algorithm.rollout_correction.probe_sequences={configured}: the rollout engine "
+                f"({type(engine).__name__}) has no score(); set it to 0"
+            )
+        warnings.warn(
+            f"engine probe off: the rollout engine ({type(engine).__name__}) has no score(), so "
+            "stale mode measures no mismatch",
+            stacklevel=2,
+        )
         return None
     return EngineProbe(engine, n)
 
@@ -94,13 +99,18 @@ class EngineProbe:
         mb = probe_batch(self.last, self.sequences, version)
         samples = [s for g in mb.groups for s in g.samples]
         start = time.perf_counter()
-        scores = self.engine.score([ScoreRequest(request_id=f"probe/{version}/{i}", prompt_ids=s.prompt_ids,
-                                                 response_ids=s.response_ids) for i, s in enumerate(samples)])
+        scores = self.engine.score(
+            [
+                ScoreRequest(request_id=f"probe/{version}/{i}", prompt_ids=s.prompt_ids, response_ids=s.response_ids)
+                for i, s in enumerate(samples)
+            ]
+        )
         seconds = time.perf_counter() - start
         wrong = {r.weight_version for r in scores} - {version}
         if wrong:
-            raise RuntimeError(f"engine probe: the engines scored at version(s) {sorted(wrong)} right after "
-                               f"loading version {version}")
+            raise RuntimeError(
+                f"engine probe: the engines scored at version(s) {sorted(wrong)} right after loading version {version}"
+            )
         logprobs = torch.tensor([lp for r in scores for lp in r.logprobs], dtype=torch.float32)
         return ProbeInput(version=version, micro_batch=mb, engine_logprobs=logprobs, engine_s=seconds)
 
@@ -112,8 +122,7 @@ def probe_batch(mb: MicroBatch, sequences: int, version: int) -> MicroBatch:
         if left <= 0:
             break
         k = min(left, len(g.samples))
-        parts.append(dataclasses.replace(g, samples=g.samples[:k], rewards=g.rewards[:k],
-                                         advantages=g.advantages[:k]))
+        parts.append(dataclasses.replace(g, samples=g.samples[:k], rewards=g.rewards[:k], advantages=g.advantages[:k]))
         left -= k
     return make_micro_batch(parts, policy_version=version)
 
@@ -135,12 +144,15 @@ def measure_probe(trainer, probe: ProbeInput) -> dict[str, float]:
         if lp is not None and in_replica:  # the last stage
             local = compare_probe(lp, probe.engine_logprobs.to(trainer.device), mb)
     world = world_merged(local, counts=in_replica and counts_loss())
-    check_mismatch(trainer.loss.mismatch_alarm, world,
-                   when=f"engine probe right after the sync of version {probe.version}")
+    check_mismatch(
+        trainer.loss.mismatch_alarm, world, when=f"engine probe right after the sync of version {probe.version}"
+    )
     out = {} if world is None else world.to_log(prefix=PREFIX)
-    return out | {"probe/engine_s": probe.engine_s,
-                  "probe/sequences": float(len(probe.micro_batch.packed.response_lens)),
-                  "probe/tokens": float(probe.micro_batch.packed.num_tokens)}
+    return out | {
+        "probe/engine_s": probe.engine_s,
+        "probe/sequences": float(len(probe.micro_batch.packed.response_lens)),
+        "probe/tokens": float(probe.micro_batch.packed.num_tokens),
+    }
 
 
 def compare_probe(policy: torch.Tensor, engine: torch.Tensor, mb: MicroBatch):
@@ -161,9 +173,20 @@ def policy_logprobs(trimodel, packed: PackedMicroBatch) -> torch.Tensor | None:
     from megatron_rl.parallel.schedule import run_schedule
     from megatron_rl.trimodel.stage import TriStage
 
-    stage = TriStage(policy=trimodel.policy, old=None, ref=None, vocab_size=trimodel.stage.vocab_size,
-                     temperature=1.0, logprob_chunk_tokens=trimodel.stage.logprob_chunk_tokens)
-    out = run_schedule(stage, [packed], forward_step=lambda s, mb: s(mb),
-                       loss=lambda lp, _mb: (lp.policy.sum() * 0, lp.policy.float()),
-                       seq_length=lambda mb: mb.num_tokens, forward_only=True)
+    stage = TriStage(
+        policy=trimodel.policy,
+        old=None,
+        ref=None,
+        vocab_size=trimodel.stage.vocab_size,
+        temperature=1.0,
+        logprob_chunk_tokens=trimodel.stage.logprob_chunk_tokens,
+    )
+    out = run_schedule(
+        stage,
+        [packed],
+        forward_step=lambda s, mb: s(mb),
+        loss=lambda lp, _mb: (lp.policy.sum() * 0, lp.policy.float()),
+        seq_length=lambda mb: mb.num_tokens,
+        forward_only=True,
+    )
     return out[0] if out else None

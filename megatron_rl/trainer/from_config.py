@@ -48,18 +48,29 @@ def trimodel_plan(cfg: Config) -> TriModelPlan:
 def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerSettings:
     """``policy_path``: where the policy starts (a resumed checkpoint's model); the reference
     model is always ``model.hf_path``."""
-    return TrainerSettings(hf_path=policy_path or cfg.model.hf_path, ref_path=cfg.model.hf_path, model=cfg.model,
-                           trainer=cfg.trainer, parallel=cfg.parallel, attention=cfg.attention,
-                           temperature=cfg.algorithm.temperature, loss=loss_settings(cfg),
-                           routing_replay=cfg.algorithm.routing_replay == "rollout")
+    return TrainerSettings(
+        hf_path=policy_path or cfg.model.hf_path,
+        ref_path=cfg.model.hf_path,
+        model=cfg.model,
+        trainer=cfg.trainer,
+        parallel=cfg.parallel,
+        attention=cfg.attention,
+        temperature=cfg.algorithm.temperature,
+        loss=loss_settings(cfg),
+        routing_replay=cfg.algorithm.routing_replay == "rollout",
+    )
 
 
 def engine_settings(cfg: Config, *, model_path: str | None = None, initial_version: int = 0) -> EngineSettings:
     """``rollout`` as it is; ``model_path``: the weights the engines start from (a resumed
     checkpoint's model; default ``model.hf_path``), at version ``initial_version`` (its step)."""
-    return EngineSettings(**vars(cfg.rollout), model_path=model_path or cfg.model.hf_path, model_dtype=cfg.model.dtype,
-                          return_routed_experts=cfg.algorithm.routing_replay == "rollout",
-                          initial_version=initial_version)
+    return EngineSettings(
+        **vars(cfg.rollout),
+        model_path=model_path or cfg.model.hf_path,
+        model_dtype=cfg.model.dtype,
+        return_routed_experts=cfg.algorithm.routing_replay == "rollout",
+        initial_version=initial_version,
+    )
 
 
 def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
@@ -94,13 +105,20 @@ def multiturn_rollout(cfg: Config, tokenizer, sampling: SamplingSettings) -> Mul
     factory = load_environment(e.kind, **e.options)
     stop = (*sampling.stop_token_ids, end_of_turn_id(tokenizer, factory().tools))
     settings = MultiTurnSettings(
-        max_turns=e.max_turns, max_total_tokens=e.max_total_tokens, encode_prompt=partial(prompt_ids, tokenizer),
+        max_turns=e.max_turns,
+        max_total_tokens=e.max_total_tokens,
+        encode_prompt=partial(prompt_ids, tokenizer),
         encode_observation=partial(observation_ids, tokenizer),
-        decode=partial(tokenizer.decode, skip_special_tokens=True), instruction=cfg.data.instruction,
+        decode=partial(tokenizer.decode, skip_special_tokens=True),
+        instruction=cfg.data.instruction,
     )
     runner = EnvironmentRunner(timeout_s=e.step_timeout_s, max_failures=e.max_failures)
-    return MultiTurnRollout(settings=settings, env_factory=factory, runner=runner,
-                            sampling=replace(sampling, stop_token_ids=tuple(dict.fromkeys(stop))))
+    return MultiTurnRollout(
+        settings=settings,
+        env_factory=factory,
+        runner=runner,
+        sampling=replace(sampling, stop_token_ids=tuple(dict.fromkeys(stop))),
+    )
 
 
 def reward_fn(cfg: Config) -> GuardedReward:
@@ -117,14 +135,20 @@ def group_scoring(cfg: Config) -> GroupScoring:
         overlong = OverlongShaping(
             max_len=cfg.rollout.sampling.max_new_tokens, buffer=a.overlong.buffer, penalty=a.overlong.penalty
         )
-    return GroupScoring(advantage_scale=a.advantage.scale, dynamic_sampling=a.dynamic_sampling, overlong=overlong,
-                        eps=a.advantage.eps)
+    return GroupScoring(
+        advantage_scale=a.advantage.scale, dynamic_sampling=a.dynamic_sampling, overlong=overlong, eps=a.advantage.eps
+    )
 
 
 def pipeline_settings(cfg: Config) -> PipelineSettings:
     """``pipeline`` as it is, with the mini-batch count and the sampling seed."""
-    return PipelineSettings(**vars(cfg.pipeline), mini_batches=cfg.trainer.mini_batches, seed=cfg.rollout.sampling.seed,
-                            world_timeout_s=cfg.parallel.timeout_s, lockstep_replicas=cfg.parallel.ep > 1)
+    return PipelineSettings(
+        **vars(cfg.pipeline),
+        mini_batches=cfg.trainer.mini_batches,
+        seed=cfg.rollout.sampling.seed,
+        world_timeout_s=cfg.parallel.timeout_s,
+        lockstep_replicas=cfg.parallel.ep > 1,
+    )
 
 
 def sagc_settings(cfg: Config) -> SAGCSettings:
@@ -135,6 +159,16 @@ def sagc_settings(cfg: Config) -> SAGCSettings:
 def prompts(cfg: Config, tokenizer) -> tuple[list[TokenizedPrompt], DataReport]:
     """The ``data`` section's prompts, tokenized with ``tokenizer``, and what the loader skipped."""
     d = cfg.data
-    return load_prompts(d.source, tokenizer, max_prompt_tokens=d.max_prompt_tokens, chat_template=d.chat_template,
-                        prompt_key=d.prompt_key, answer_key=d.answer_key, size=d.size, seed=d.seed,
-                        skip_bad_rows=d.skip_bad_rows, options=d.options, instruction=d.instruction)
+    return load_prompts(
+        d.source,
+        tokenizer,
+        max_prompt_tokens=d.max_prompt_tokens,
+        chat_template=d.chat_template,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        size=d.size,
+        seed=d.seed,
+        skip_bad_rows=d.skip_bad_rows,
+        options=d.options,
+        instruction=d.instruction,
+    )

@@ -25,8 +25,9 @@ from megatron_rl.trainer.setup import EngineFactory, Run, build_run
 from megatron_rl.trainer.stop import NonFiniteGuard
 
 
-def train(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None,
-          replay: str | None = None) -> list[dict]:
+def train(
+    cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None, replay: str | None = None
+) -> list[dict]:
     """Run ``cfg.trainer.steps`` RL iterations; return the per-step metrics (on the leader).
 
     ``engine_factory(EngineSettings) -> RolloutEngine`` replaces ``rollout.build_engine``
@@ -90,8 +91,9 @@ class StepReport:
 
     def after_step(self, step: int, summary: BatchSummary, results, seconds, *, step_s: float) -> dict:
         """The metrics of ``step`` (logged and shown); raises after too many non-finite steps."""
-        metrics = step_metrics(summary, results, seconds, step_s=step_s, memory=self.trimodel.memory_report(),
-                               devices=self.devices)
+        metrics = step_metrics(
+            summary, results, seconds, step_s=step_s, memory=self.trimodel.memory_report(), devices=self.devices
+        )
         metrics.update(self.engine_busy.step(metrics["time/step_s"]))
         self.logger.log(step, metrics)
         self.progress.step(format_step(step, metrics), metrics)
@@ -127,12 +129,15 @@ class Checkpoints:
 
     def _save(self, summary: BatchSummary) -> None:
         self.saved_step = summary.step + 1
-        self.replica.save_checkpoint(Path(self.save_dir) / f"step_{self.saved_step}",
-                                     _run_state(self.cfg, summary))
+        self.replica.save_checkpoint(Path(self.save_dir) / f"step_{self.saved_step}", _run_state(self.cfg, summary))
 
 
 def _run_state(cfg: Config, summary: BatchSummary) -> RunState:
     """Resume point after ``summary``'s step: the controller and prompt stream as they stood
     right after that batch was generated (the producer may have run ahead since)."""
-    return RunState(step=summary.step + 1, controller=dict(summary.end.controller_state), config=config_to_dict(cfg),
-                    prompt_stream=dict(summary.end.source_state or {}))
+    return RunState(
+        step=summary.step + 1,
+        controller=dict(summary.end.controller_state),
+        config=config_to_dict(cfg),
+        prompt_stream=dict(summary.end.source_state or {}),
+    )

@@ -64,15 +64,21 @@ def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]
     s, end = summary, summary.end
     lengths = sorted(end.response_lengths) or [0]
     return {
-        "rollout/reward_mean": s.reward_mean, "rollout/group_size": float(end.group_size),
+        "rollout/reward_mean": s.reward_mean,
+        "rollout/group_size": float(end.group_size),
         "rollout/groups_dropped": float(end.groups_dropped),
-        "rollout/response_tokens": float(s.trained_response_tokens), "train/responses": float(s.trained_responses),
+        "rollout/response_tokens": float(s.trained_response_tokens),
+        "train/responses": float(s.trained_responses),
         "train/prompt_tokens": float(s.trained_prompt_tokens),
-        "rollout/response_len_mean": sum(lengths) / len(lengths), "rollout/response_len_max": float(lengths[-1]),
+        "rollout/response_len_mean": sum(lengths) / len(lengths),
+        "rollout/response_len_max": float(lengths[-1]),
         "rollout/response_len_median": float(statistics.median(lengths)),
-        "rollout/staleness_max": float(s.staleness.max), "rollout/staleness_mean": s.staleness.mean,
-        "time/step_s": step_s, "time/queue_wait_s": s.wait_s,
-        "time/generation_s": end.generation_s, "time/reward_s": end.reward_s,
+        "rollout/staleness_max": float(s.staleness.max),
+        "rollout/staleness_mean": s.staleness.mean,
+        "time/step_s": step_s,
+        "time/queue_wait_s": s.wait_s,
+        "time/generation_s": end.generation_s,
+        "time/reward_s": end.reward_s,
         "train/micro_batches": float(s.num_micro_batches),
         "train/overlapped_micro_batches": float(s.overlapped_micro_batches),
         "train/version": float(s.new_version),
@@ -81,8 +87,15 @@ def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]
     }
 
 
-def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seconds: Mapping[str, float], *,
-                 step_s: float, memory: TriModelMemory, devices: int) -> dict[str, float]:
+def step_metrics(
+    summary: BatchSummary,
+    results: Sequence[MiniBatchResult],
+    seconds: Mapping[str, float],
+    *,
+    step_s: float,
+    memory: TriModelMemory,
+    devices: int,
+) -> dict[str, float]:
     """The flat metrics of one step: rollout, time per phase, throughput, busy fractions, loss,
     controller, memory. ``devices``: the run's devices (training ranks + engine devices)."""
     stepped = [r for r in results if not r.skipped]
@@ -93,13 +106,16 @@ def step_metrics(summary: BatchSummary, results: Sequence[MiniBatchResult], seco
     metrics.update(_weight_sync(seconds))
     # the engine probe's metrics (trainer.engine_probe), travelling with the seconds; absent when it did not run
     metrics.update({k: v for k, v in seconds.items() if k.startswith(("mismatch_probe/", "probe/"))})
-    metrics.update({
-        "loss/value": sum(r.loss for r in stepped) / max(len(stepped), 1),
-        "loss/grad_norm": sum(r.grad_norm for r in stepped) / max(len(stepped), 1),
-        "train/optimizer_steps": float(len(stepped)), "train/skipped_mini_batches": float(len(results) - len(stepped)),
-        "train/nonfinite_steps": float(sum(r.nonfinite for r in results)),
-        "memory/peak_gb": peak_memory_gb(),
-    })
+    metrics.update(
+        {
+            "loss/value": sum(r.loss for r in stepped) / max(len(stepped), 1),
+            "loss/grad_norm": sum(r.grad_norm for r in stepped) / max(len(stepped), 1),
+            "train/optimizer_steps": float(len(stepped)),
+            "train/skipped_mini_batches": float(len(results) - len(stepped)),
+            "train/nonfinite_steps": float(sum(r.nonfinite for r in results)),
+            "memory/peak_gb": peak_memory_gb(),
+        }
+    )
     device_peak = device_peak_memory_gb()
     if device_peak is not None:  # a rank on a device (CUDA / NPU / emulated): its own peak
         metrics["memory/device_peak_gb"] = device_peak
@@ -124,16 +140,18 @@ def transfer_metrics() -> dict[str, float]:
     now = emulated.transfer_counts()
     delta = now - _LAST_TRANSFERS.get("counts", emulated.TransferCounts())
     _LAST_TRANSFERS["counts"] = now
-    return {f"transfers/{name}": float(getattr(delta, name))
-            for name in ("h2d", "d2h", "h2d_bytes", "d2h_bytes", "syncs")}
+    return {
+        f"transfers/{name}": float(getattr(delta, name)) for name in ("h2d", "d2h", "h2d_bytes", "d2h_bytes", "syncs")
+    }
 
 
 # The trainer's phases (Replica.seconds); with the queue wait and idle they make up the step.
 TRAINER_PHASES = ("train", "optimizer", "weight_sync", "probe")
 
 
-def _throughput(metrics: Mapping[str, float], phases: Mapping[str, float], *, step_s: float,
-                devices: int) -> dict[str, float]:
+def _throughput(
+    metrics: Mapping[str, float], phases: Mapping[str, float], *, step_s: float, devices: int
+) -> dict[str, float]:
     """Tokens/s/device as MindSpeed-RL reports it ((prompt + response) tokens of the trained
     samples / devices / step time), completion tokens/s, idle time and busy fractions."""
     tokens = metrics["train/prompt_tokens"] + metrics["rollout/response_tokens"]
@@ -155,8 +173,11 @@ def _weight_sync(seconds: Mapping[str, float]) -> dict[str, float]:
     nbytes, transfer = seconds.get("weight_sync_bytes", 0.0), seconds.get("weight_sync_transfer", 0.0)
     if not nbytes:
         return {}
-    return {"sync/bytes": nbytes, "sync/transfer_s": transfer,  # the hand-over alone, not the old-policy copy
-            "sync/gb_per_s": nbytes / 1e9 / max(transfer or seconds.get("weight_sync", 0.0), 1e-9)}
+    return {
+        "sync/bytes": nbytes,
+        "sync/transfer_s": transfer,  # the hand-over alone, not the old-policy copy
+        "sync/gb_per_s": nbytes / 1e9 / max(transfer or seconds.get("weight_sync", 0.0), 1e-9),
+    }
 
 
 def device_peak_memory_gb(device: torch.device | None = None) -> float | None:
@@ -201,8 +222,10 @@ class EngineBusy:
     def step(self, step_s: float) -> dict[str, float]:
         """Busy fractions since the previous call (or construction)."""
         now = self._read()
-        out = {f"busy/engine_{i}": min(max(b - a, 0.0) / max(step_s, 1e-9), 1.0)
-               for i, (a, b) in enumerate(zip(self._last, now, strict=False))}
+        out = {
+            f"busy/engine_{i}": min(max(b - a, 0.0) / max(step_s, 1e-9), 1.0)
+            for i, (a, b) in enumerate(zip(self._last, now, strict=False))
+        }
         self._last = now
         return out
 
@@ -223,8 +246,10 @@ def format_step(step: int, metrics: Mapping[str, float]) -> str:
     metrics, not on the line."""
     rate = metrics.get("throughput/tokens_per_s_per_device")
     rate = f" {rate:.1f} tok/s/dev" if rate is not None else ""
-    return (f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{_update(metrics)} "
-            f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s{rate}{_turns(metrics)}")
+    return (
+        f"step {step}: reward {metrics['rollout/reward_mean']:.3f}{_update(metrics)} "
+        f"G {metrics['rollout/group_size']:.0f} {metrics['time/step_s']:.1f}s{rate}{_turns(metrics)}"
+    )
 
 
 def _update(metrics: Mapping[str, float]) -> str:
@@ -252,6 +277,8 @@ def _turns(metrics: Mapping[str, float]) -> str:
     tokens = m["multiturn/model_tokens"] + m["multiturn/observation_tokens"]
     resets = m.get("multiturn/reset_failures", 0.0)  # groups dropped for a failed environment reset
     failed = f"{m['multiturn/env_failures']:.0f} env fail" + (f", {resets:.0f} reset fail" if resets else "")
-    return (f" | turns {m['multiturn/turns_mean']:.2f} tools {m['multiturn/tool_calls']:.0f}"
-            f" ({m['multiturn/tool_errors']:.0f} err, {failed})"
-            f" obs {m['multiturn/observation_tokens'] / max(tokens, 1):.0%} env {m['multiturn/env_s']:.1f}s")
+    return (
+        f" | turns {m['multiturn/turns_mean']:.2f} tools {m['multiturn/tool_calls']:.0f}"
+        f" ({m['multiturn/tool_errors']:.0f} err, {failed})"
+        f" obs {m['multiturn/observation_tokens'] / max(tokens, 1):.0%} env {m['multiturn/env_s']:.1f}s"
+    )

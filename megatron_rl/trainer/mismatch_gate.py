@@ -17,8 +17,9 @@ from megatron_rl.algorithms import MismatchAlarm, MismatchAlarmError, MismatchMe
 logger = logging.getLogger(__name__)
 
 
-def check_mismatch(alarm: MismatchAlarm | None, world: MismatchMetrics | None, *,
-                   when: str = "before the optimizer step") -> str | None:
+def check_mismatch(
+    alarm: MismatchAlarm | None, world: MismatchMetrics | None, *, when: str = "before the optimizer step"
+) -> str | None:
     """Apply ``alarm`` to world mismatch metrics (call on every rank): a mini-batch's, before its
     step, or the engine probe's after a sync (``trainer.engine_probe``); ``when`` says which.
 

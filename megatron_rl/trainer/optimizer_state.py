@@ -125,7 +125,7 @@ class _Access:
             span = part._get_model_param_range_map(param)["param"]
             value = part._get_main_param_and_optimizer_states(param).get(key)
             if value is not None:
-                whole[span.start:span.end] = value.detach().view(-1)
+                whole[span.start : span.end] = value.detach().view(-1)
         group = part.data_parallel_group
         first = dist.get_global_rank(group, 0)
         if dist.get_world_size(group) > 1:  # each element has one owner: a sum of it and zeros
@@ -141,9 +141,10 @@ class _Access:
         main = part.optimizer.param_groups[group_index]["params"][group_order]
         with torch.no_grad():
             if "param" in tensors:
-                main.copy_(tensors["param"].reshape(-1)[span.start:span.end])
-            part.optimizer.state[main] = {k: torch.empty_like(main).copy_(tensors[k].reshape(-1)[span.start:span.end])
-                                          for k in MOMENTS}
+                main.copy_(tensors["param"].reshape(-1)[span.start : span.end])
+            part.optimizer.state[main] = {
+                k: torch.empty_like(main).copy_(tensors[k].reshape(-1)[span.start : span.end]) for k in MOMENTS
+            }
 
 
 def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter, object, int | None]]:
@@ -169,8 +170,12 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
     first_edp = ps.get_expert_data_parallel_rank() == 0  # routed experts: gathered over EP from every DP replica
     writer = first_dp and ps.get_tensor_model_parallel_rank() == 0
     items = export_items(model, spec)
-    entries = [TensorEntry(f"{key}/{n}", torch.float32, s) for it in items for key in keys
-               for n, s in zip(it.names, it.shapes, strict=True)]
+    entries = [
+        TensorEntry(f"{key}/{n}", torch.float32, s)
+        for it in items
+        for key in keys
+        for n, s in zip(it.names, it.shapes, strict=True)
+    ]
     if writer:
         directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"
@@ -214,7 +219,9 @@ def load_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
                 raise ValueError(f"{directory}: no optimizer state {missing[0]!r} for parameter {name}")
             tensors[key] = hf_to_shard(rule, [file_of[w].get_tensor(w) for w in wanted], spec, shard)
             if tensors[key].shape != param.shape:
-                raise ValueError(f"{directory}: optimizer state of {name} has shape {tuple(tensors[key].shape)}, "
-                                 f"the model expects {tuple(param.shape)}")
+                raise ValueError(
+                    f"{directory}: optimizer state of {name} has shape {tuple(tensors[key].shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
         access.set(param, tensors)
     access.set_step(int(meta["step"]))

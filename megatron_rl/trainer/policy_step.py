@@ -73,8 +73,9 @@ class PolicyTrainer:
         mask = self._counted(mb)
         share = loss_denominator(self.loss, mask)  # this micro-batch's share of D, on every PP stage
         with router_loss_weight(share):  # MoE router losses weighted by it (moe_aux_loss_scale)
-            self.trimodel.run([mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb, mask, share),
-                              finalize_grads=False)
+            self.trimodel.run(
+                [mb.packed], loss=lambda lp, _i: self._micro_loss(lp, mb, mask, share), finalize_grads=False
+            )
 
     def _counted(self, mb: MicroBatch) -> torch.Tensor:
         """``[R, max_len]`` bool: the response tokens that carry a loss term."""
@@ -93,12 +94,21 @@ class PolicyTrainer:
         ref = pad_responses(lp.ref, packed) if lp.ref is not None else None
         entropy = pad_responses(lp.entropy, packed) if lp.entropy is not None else None
         behav = pad_responses(mb.behav_logprobs.to(logp.dtype), packed)
-        out = policy_loss(self.loss, logp=logp, mask=mask, advantages=mb.advantages.to(logp.dtype),
-                          denominator=1.0, old_logp=old, ref_logp=ref, behav_logp=behav,
-                          # the engine is compared with θ_t: the old copy, or the policy before the first step
-                          compare_engine=not lp.old_is_policy or mb.mini_batch == 0,
-                          versions=mb.versions[:, None].expand_as(mask), current_version=mb.policy_version,
-                          entropy=entropy)
+        out = policy_loss(
+            self.loss,
+            logp=logp,
+            mask=mask,
+            advantages=mb.advantages.to(logp.dtype),
+            denominator=1.0,
+            old_logp=old,
+            ref_logp=ref,
+            behav_logp=behav,
+            # the engine is compared with θ_t: the old copy, or the policy before the first step
+            compare_engine=not lp.old_is_policy or mb.mini_batch == 0,
+            versions=mb.versions[:, None].expand_as(mask),
+            current_version=mb.policy_version,
+            entropy=entropy,
+        )
         self._numerator += out.loss.detach().float()
         self._denominator += share
         self._metrics = out.metrics if self._metrics is None else self._metrics.merge(out.metrics)
@@ -126,10 +136,12 @@ class PolicyTrainer:
             ok, grad_norm, _ = self.optimizer.step()  # not ok: megatron's own check (fp16 loss scaling)
         if not ok:  # nothing was applied
             self._reset()
-            return MiniBatchResult(grad_norm=float("nan"), denominator=denominator, loss=float("nan"),
-                                   skipped=True, nonfinite=True)
-        result = MiniBatchResult(grad_norm=float(grad_norm or 0.0), denominator=denominator,
-                                 loss=numerator / denominator, loss_metrics=world)
+            return MiniBatchResult(
+                grad_norm=float("nan"), denominator=denominator, loss=float("nan"), skipped=True, nonfinite=True
+            )
+        result = MiniBatchResult(
+            grad_norm=float(grad_norm or 0.0), denominator=denominator, loss=numerator / denominator, loss_metrics=world
+        )
         self._reset()
         return result
 

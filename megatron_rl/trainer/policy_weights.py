@@ -53,5 +53,9 @@ def stage_place() -> StagePlace:
     """This rank's pipeline stage, whether it sends the stage (TP rank 0), its DP replica."""
     from megatron.core import parallel_state as ps
 
-    return StagePlace(stage=ps.get_pipeline_model_parallel_rank(), stages=ps.get_pipeline_model_parallel_world_size(),
-                      sender=ps.get_tensor_model_parallel_rank() == 0, dp_rank=ps.get_data_parallel_rank())
+    return StagePlace(
+        stage=ps.get_pipeline_model_parallel_rank(),
+        stages=ps.get_pipeline_model_parallel_world_size(),
+        sender=ps.get_tensor_model_parallel_rank() == 0,
+        dp_rank=ps.get_data_parallel_rank(),
+    )

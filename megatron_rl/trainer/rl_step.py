@@ -76,18 +76,36 @@ class ReplicaChannel:
 class Replica:
     """This rank's part of a model replica; see the module docstring."""
 
-    def __init__(self, trainer: PolicyTrainer, policy, spec: DecoderSpec, *, engine: RolloutEngine | None,
-                 snapshot_root: str | Path, source_dir: str | Path, channel: ReplicaChannel,
-                 weight_sync: str = "snapshot", sync_bucket_mb: int = 256,
-                 dispatch: DispatchChannel | None = None) -> None:
+    def __init__(
+        self,
+        trainer: PolicyTrainer,
+        policy,
+        spec: DecoderSpec,
+        *,
+        engine: RolloutEngine | None,
+        snapshot_root: str | Path,
+        source_dir: str | Path,
+        channel: ReplicaChannel,
+        weight_sync: str = "snapshot",
+        sync_bucket_mb: int = 256,
+        dispatch: DispatchChannel | None = None,
+    ) -> None:
         """``weight_sync``: a ``rollout.weight_sync`` transport, its sender built here once;
         ``dispatch``: rank 0 -> the other replicas' leaders (DP > 1), else None."""
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
         self.channel, self.dispatch = channel, dispatch
-        self.sender = build_sender(weight_sync, SenderSetup(
-            source=PolicyWeights(policy, spec, source_dir), engine=engine, channel=channel, place=stage_place(),
-            scratch=self.snapshot_root, bucket_bytes=sync_bucket_mb << 20))
+        self.sender = build_sender(
+            weight_sync,
+            SenderSetup(
+                source=PolicyWeights(policy, spec, source_dir),
+                engine=engine,
+                channel=channel,
+                place=stage_place(),
+                scratch=self.snapshot_root,
+                bucket_bytes=sync_bucket_mb << 20,
+            ),
+        )
         self.stop = StopRequest()  # installed by the loop
         self.results: list[MiniBatchResult] = []
         self.probe: EngineProbe | None = None  # the leader's engine probe, when on (set by trainer.setup)
@@ -158,8 +176,14 @@ class Replica:
 # What followers may be asked to run: public Replica methods only.
 REPLICA_CALLS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (Replica.train_micro_batch, Replica.optimizer_step, Replica.sync_weights, Replica.save, Replica.poll_stop,
-              Replica.probe_engine)
+    for f in (
+        Replica.train_micro_batch,
+        Replica.optimizer_step,
+        Replica.sync_weights,
+        Replica.save,
+        Replica.poll_stop,
+        Replica.probe_engine,
+    )
 }
 
 

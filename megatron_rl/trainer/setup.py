@@ -61,8 +61,9 @@ class Run:
         shutil.rmtree(self.snapshot_root, ignore_errors=True)
 
 
-def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None,
-              replay: str | None = None) -> Run:
+def build_run(
+    cfg: Config, *, platform: str = "auto", engine_factory: EngineFactory | None = None, replay: str | None = None
+) -> Run:
     """Parallel state, replica, and (leader) engines + pipeline + logger for ``cfg``; with
     ``replay`` (a ``rollout.record`` file) the pipeline replays it and no engine starts."""
     _, layout = start_world(cfg, platform)
@@ -81,33 +82,55 @@ def build_run(cfg: Config, *, platform: str = "auto", engine_factory: EngineFact
     if dist.get_rank() != 0:
         return Run(replica=replica, first_step=first, pipeline=None, logger=None, snapshot_root=replica.snapshot_root)
     if replay:
-        pipeline = Pipeline.replaying(replay, engine=replica.engine, settings=from_config.pipeline_settings(cfg),
-                                      num_steps=cfg.trainer.steps - first, start_step=first, replicas=layout.dp)
+        pipeline = Pipeline.replaying(
+            replay,
+            engine=replica.engine,
+            settings=from_config.pipeline_settings(cfg),
+            num_steps=cfg.trainer.steps - first,
+            start_step=first,
+            replicas=layout.dp,
+        )
     else:
         pipeline = build_pipeline(cfg, replica.engine, resume, replicas=layout.dp)
-    return Run(replica=replica, first_step=first, pipeline=pipeline, logger=MetricsLogger(cfg.trainer.log_dir),
-               snapshot_root=replica.snapshot_root)
+    return Run(
+        replica=replica,
+        first_step=first,
+        pipeline=pipeline,
+        logger=MetricsLogger(cfg.trainer.log_dir),
+        snapshot_root=replica.snapshot_root,
+    )
 
 
 def start_world(cfg: Config, platform: str = "auto") -> tuple[Platform, ParallelLayout]:
     """Initialise the platform and the parallel state for ``cfg`` and check the world fits it."""
-    plat, layout = initialize_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep,
-                                       seed=cfg.trainer.seed, timeout_s=cfg.parallel.timeout_s, platform=platform)
+    plat, layout = initialize_parallel(
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+        ep=cfg.parallel.ep,
+        seed=cfg.trainer.seed,
+        timeout_s=cfg.parallel.timeout_s,
+        platform=platform,
+    )
     validate_world(cfg, layout.world_size)
     return plat, layout
 
 
-def build_engines(cfg: Config, engine_factory: EngineFactory | None = None, *,
-                  model_path: str | None = None, initial_version: int = 0) -> RolloutEngine:
+def build_engines(
+    cfg: Config, engine_factory: EngineFactory | None = None, *, model_path: str | None = None, initial_version: int = 0
+) -> RolloutEngine:
     """The engine pool of ``rollout`` (``engine_factory`` replaces ``rollout.build_engine``),
     starting from ``model_path`` (default ``model.hf_path``) at weight version ``initial_version``."""
     settings = from_config.engine_settings(cfg, model_path=model_path, initial_version=initial_version)
     return (engine_factory or build_engine)(settings)
 
 
-def build_replica(cfg: Config, layout: ParallelLayout, *,
-                  engine_for: Callable[[str], RolloutEngine | None] = lambda _: None,
-                  resume: RunState | None = None) -> Replica:
+def build_replica(
+    cfg: Config,
+    layout: ParallelLayout,
+    *,
+    engine_for: Callable[[str], RolloutEngine | None] = lambda _: None,
+    resume: RunState | None = None,
+) -> Replica:
     """This rank's ``Replica`` of ``cfg``'s policy (resumed from ``resume``'s checkpoint when given):
     trainer, weight sender, replica channel and, at DP > 1, the dispatch channel of rank 0.
     ``engine_for(policy_path)`` builds the engines, on global rank 0 only. Collective."""
@@ -118,9 +141,18 @@ def build_replica(cfg: Config, layout: ParallelLayout, *,
     channel, dispatch = ReplicaChannel(), DispatchChannel() if layout.dp > 1 else None
     snapshots = _shared_snapshot_root(cfg)
     engine = engine_for(policy_path) if dist.get_rank() == 0 else None
-    return Replica(trainer, policy, spec, engine=engine, snapshot_root=snapshots, source_dir=cfg.model.hf_path,
-                   channel=channel, weight_sync=cfg.rollout.weight_sync,
-                   sync_bucket_mb=cfg.rollout.sync_bucket_mb, dispatch=dispatch)
+    return Replica(
+        trainer,
+        policy,
+        spec,
+        engine=engine,
+        snapshot_root=snapshots,
+        source_dir=cfg.model.hf_path,
+        channel=channel,
+        weight_sync=cfg.rollout.weight_sync,
+        sync_bucket_mb=cfg.rollout.sync_bucket_mb,
+        dispatch=dispatch,
+    )
 
 
 def _load_optimizer(trainer, policy, spec, checkpoint: str) -> None:
@@ -135,14 +167,27 @@ def _load_optimizer(trainer, policy, spec, checkpoint: str) -> None:
 def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeController:
     """The group-size controller; on a fresh run its first choice must be ``control.group_size``."""
     c = cfg.control
-    controller = load_controller(c.kind, group_size=c.group_size, tau=c.sagc.tau, options=c.options or None,
-                                 settings=from_config.sagc_settings(cfg) if c.kind == "sagc" else None)
+    controller = load_controller(
+        c.kind,
+        group_size=c.group_size,
+        tau=c.sagc.tau,
+        options=c.options or None,
+        settings=from_config.sagc_settings(cfg) if c.kind == "sagc" else None,
+    )
     if resume:
         controller.load_state_dict(resume.controller)
     elif (first := controller.choose()) != c.group_size:
-        raise ConfigError([Problem(key="control.group_size", message=(
-            f"{c.group_size}, but controller {c.kind!r} chose G={first} for the first step; a controller "
-            "must start at control.group_size"))])
+        raise ConfigError(
+            [
+                Problem(
+                    key="control.group_size",
+                    message=(
+                        f"{c.group_size}, but controller {c.kind!r} chose G={first} for the first step; a controller "
+                        "must start at control.group_size"
+                    ),
+                )
+            ]
+        )
     return controller
 
 
@@ -164,12 +209,19 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     start, reward = (resume.step if resume else 0), from_config.reward_fn(cfg)
     sampling = from_config.sampling_settings(cfg, tokenizer)
     return Pipeline(
-        engine=engine, prompts=stream, reward_fn=reward,
+        engine=engine,
+        prompts=stream,
+        reward_fn=reward,
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        controller=build_controller(cfg, resume), sampling=sampling,
-        scoring=from_config.group_scoring(cfg), settings=from_config.pipeline_settings(cfg),
-        num_steps=cfg.trainer.steps - start, start_step=start, record=cfg.rollout.record,
-        extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()}, replicas=replicas,
+        controller=build_controller(cfg, resume),
+        sampling=sampling,
+        scoring=from_config.group_scoring(cfg),
+        settings=from_config.pipeline_settings(cfg),
+        num_steps=cfg.trainer.steps - start,
+        start_step=start,
+        record=cfg.rollout.record,
+        extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()},
+        replicas=replicas,
         multiturn=from_config.multiturn_rollout(cfg, tokenizer, sampling),
     )
 

@@ -39,8 +39,10 @@ def remove_dead_runs(base: str | None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:
-        warnings.warn(f"removed {len(removed)} weight directories left by killed runs: "
-                      f"{', '.join(p.name for p in removed)}", stacklevel=2)
+        warnings.warn(
+            f"removed {len(removed)} weight directories left by killed runs: {', '.join(p.name for p in removed)}",
+            stacklevel=2,
+        )
     return removed
 
 

@@ -69,6 +69,15 @@ def _require_visible(path: Path, writer: bool) -> None:
     dist.all_gather_object(seen, (node_id(), not writer or path.is_dir()), group=host_group())
     blind = sorted({node for node, ok in seen if not ok})
     if blind:
-        raise ConfigError([Problem(key="rollout.snapshot_dir", message=(
-            f"{path.parent} is not the same directory on every node: {path.name}, made there by global rank 0, "
-            f"is missing on {', '.join(blind)}; give a directory of a filesystem every node mounts"))])
+        raise ConfigError(
+            [
+                Problem(
+                    key="rollout.snapshot_dir",
+                    message=(
+                        f"{path.parent} is not the same directory on every node: {path.name}, "
+                        "made there by global rank 0, "
+                        f"is missing on {', '.join(blind)}; give a directory of a filesystem every node mounts"
+                    ),
+                )
+            ]
+        )

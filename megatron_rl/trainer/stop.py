@@ -48,8 +48,11 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"megatron_rl: {signal.Signals(signum).name} received; stopping after the current step "
-              "(with a checkpoint if trainer.save_dir is set)", flush=True)
+        print(
+            f"megatron_rl: {signal.Signals(signum).name} received; stopping after the current step "
+            "(with a checkpoint if trainer.save_dir is set)",
+            flush=True,
+        )
 
 
 class NonFiniteError(RuntimeError):

@@ -38,8 +38,14 @@ def head_is_chunked(n: int, chunk_tokens: int) -> bool:
 
 
 def head_logprobs(
-    gpt_model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float,
-    with_entropy: bool, chunk_tokens: int,
+    gpt_model: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden [N, h]`` (final-norm states of the positions to score), ``targets [N]`` ->
     (log-probs [N] fp32, entropy [N] fp32 or None), through ``gpt_model``'s output layer."""
@@ -59,9 +65,12 @@ def head_logprobs(
         parts = [score(hidden, targets)]
     else:
         recompute = torch.is_grad_enabled() and hidden.requires_grad
-        parts = [checkpoint(score, hidden[i:i + chunk_tokens], targets[i:i + chunk_tokens], use_reentrant=False)
-                 if recompute else score(hidden[i:i + chunk_tokens], targets[i:i + chunk_tokens])
-                 for i in range(0, n, chunk_tokens)]
+        parts = [
+            checkpoint(score, hidden[i : i + chunk_tokens], targets[i : i + chunk_tokens], use_reentrant=False)
+            if recompute
+            else score(hidden[i : i + chunk_tokens], targets[i : i + chunk_tokens])
+            for i in range(0, n, chunk_tokens)
+        ]
     lp = torch.cat([p[0] for p in parts])
     ent = torch.cat([p[1] for p in parts]) if with_entropy else None
     return lp, ent

@@ -103,12 +103,23 @@ class TriModel:
                 self._offload[name] = HostOffload(module, device=device)
         if routing_replay:
             _attach_replay(policy, old)
-        self.stage = TriStage(policy=policy, old=old, ref=ref, vocab_size=vocab_size,
-                              temperature=temperature, with_entropy=with_entropy,
-                              logprob_chunk_tokens=logprob_chunk_tokens, routing_replay=routing_replay)
+        self.stage = TriStage(
+            policy=policy,
+            old=old,
+            ref=ref,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            logprob_chunk_tokens=logprob_chunk_tokens,
+            routing_replay=routing_replay,
+        )
 
     def run(
-        self, micro_batches: Sequence[PackedMicroBatch], *, loss: LossFn, forward_only: bool = False,
+        self,
+        micro_batches: Sequence[PackedMicroBatch],
+        *,
+        loss: LossFn,
+        forward_only: bool = False,
         finalize_grads: bool = True,
     ) -> list[Any]:
         """One micro-step: one schedule over ``micro_batches``, backward unless ``forward_only``.
@@ -124,7 +135,8 @@ class TriModel:
         items = list(enumerate(micro_batches))
         with self._onloaded(), self._finalize_on_policy(finalize_grads), self._routes_cleared():
             return run_schedule(
-                self.stage, items,
+                self.stage,
+                items,
                 forward_step=lambda stage, item: stage(item[1]),
                 loss=lambda out, item: loss(out, item[0]),
                 seq_length=lambda item: item[1].num_tokens,
@@ -144,6 +156,7 @@ class TriModel:
 
     def memory_report(self) -> TriModelMemory:
         """Parameter bytes per copy on this rank, by residency (for the metrics)."""
+
         def copy(module: torch.nn.Module | None, residency: Residency) -> CopyMemory:
             n = _param_bytes(module)
             on_host = residency is Residency.OFFLOADED

@@ -67,8 +67,11 @@ class TriModelPlan:
 
 def _kept(name: str, offload: bool, why: str) -> CopyPlan:
     if offload:
-        return CopyPlan(residency=Residency.OFFLOADED, reason=f"{name} offloaded to host between micro-steps "
-                        f"(trainer.offload_{'old' if name == 'old' else 'reference'}); needed: {why}")
+        return CopyPlan(
+            residency=Residency.OFFLOADED,
+            reason=f"{name} offloaded to host between micro-steps "
+            f"(trainer.offload_{'old' if name == 'old' else 'reference'}); needed: {why}",
+        )
     return CopyPlan(residency=Residency.RESIDENT, reason=f"{name} resident: {why}")
 
 
@@ -82,15 +85,23 @@ def plan_trimodel(
     corrects = loss.correction.mode != "none"
     if loss.kind == "ppo_decoupled" and loss.proximal == "loglinear" and not (steps > 1 and corrects):
         measured = "" if steps == 1 else "; engine mismatch measured on the first mini-batch only (policy = θ_t)"
-        old = CopyPlan(residency=Residency.SKIPPED, reason="old skipped: proximal = loglinear (A-3PO "
-                       f"interpolates, no old-policy forward){measured}")
+        old = CopyPlan(
+            residency=Residency.SKIPPED,
+            reason=f"old skipped: proximal = loglinear (A-3PO interpolates, no old-policy forward){measured}",
+        )
     elif loss.kind == "ppo_decoupled" and loss.proximal == "loglinear":
-        old = _kept("old", offload_old, f"rollout_correction.mode = {loss.correction.mode!r} compares the "
-                    f"engine with θ_t over {steps} optimizer steps per batch")
+        old = _kept(
+            "old",
+            offload_old,
+            f"rollout_correction.mode = {loss.correction.mode!r} compares the "
+            f"engine with θ_t over {steps} optimizer steps per batch",
+        )
     elif steps == 1:
-        old = CopyPlan(residency=Residency.SKIPPED,
-                       reason="old skipped: 1 optimizer step per batch (old == policy == recompute proximal; "
-                              "detached policy log-probs used)")
+        old = CopyPlan(
+            residency=Residency.SKIPPED,
+            reason="old skipped: 1 optimizer step per batch (old == policy == recompute proximal; "
+            "detached policy log-probs used)",
+        )
     else:
         old = _kept("old", offload_old, f"{steps} optimizer steps per batch")
     if loss.kl_coef == 0:

@@ -133,7 +133,7 @@ class RouteCapture:
 
     def routes(self) -> torch.Tensor:
         """The routes of the last forward (``[T, L_stage, K]``) and reset."""
-        calls, self._calls = self._calls[-self.num_layers:], []
+        calls, self._calls = self._calls[-self.num_layers :], []
         return torch.stack(calls, dim=1)
 
     def close(self) -> None:
@@ -149,4 +149,5 @@ def require_routes(samples: Iterable) -> None:
             raise ValueError(
                 f"algorithm.routing_replay is 'rollout' but request {s.request_id!r} has no routed experts: "
                 "its engine did not return them (an engine without route output, or a recording made "
-                "without routing replay)")
+                "without routing replay)"
+            )

@@ -121,6 +121,12 @@ class TriStage(torch.nn.Module):
 
     def _reduce(self, module: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, frozen: bool):
         """Hidden states ``[N, h]`` of the scored positions -> (log-probs [N], entropy [N] or None)."""
-        return head_logprobs(unwrap(module), hidden, targets, vocab_size=self.vocab_size,
-                             temperature=self.temperature, with_entropy=self.with_entropy and not frozen,
-                             chunk_tokens=self.logprob_chunk_tokens)
+        return head_logprobs(
+            unwrap(module),
+            hidden,
+            targets,
+            vocab_size=self.vocab_size,
+            temperature=self.temperature,
+            with_entropy=self.with_entropy and not frozen,
+            chunk_tokens=self.logprob_chunk_tokens,
+        )

@@ -35,6 +35,16 @@ from megatron_rl.weight_sync.base import (
 )
 
 __all__ = [
-    "TRANSPORTS", "SenderSetup", "StagePlace", "SyncStats", "TensorSource", "WeightReceiver", "WeightSender",
-    "WeightSource", "WeightUpdate", "WorkerLoad", "build_receiver", "build_sender",
+    "TRANSPORTS",
+    "SenderSetup",
+    "StagePlace",
+    "SyncStats",
+    "TensorSource",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSource",
+    "WeightUpdate",
+    "WorkerLoad",
+    "build_receiver",
+    "build_sender",
 ]

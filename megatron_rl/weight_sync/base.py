@@ -201,7 +201,6 @@ def all_gather(channel: Channel, item: Any) -> list:
     return out
 
 
-
 class TensorSource:
     """A ``WeightSource`` of fixed HF-named tensors (tools, tests, a rollout-only run)."""
 

@@ -89,9 +89,12 @@ class BroadcastUpdate(WeightUpdate):
     def after_restart(self, fanout: Fanout, worker) -> None:
         self.sender.forget_group()  # the main group lost a member
         if self.staged:
-            fanout.fail(f"rollout worker {worker.spec.index} restarted after a weight sync from {len(self.sources)} "
-                        "pipeline stages: only the next sync can give it the weights (rollout.weight_sync=broadcast "
-                        "at parallel.pp > 1 does not survive a worker restart between syncs; use 'snapshot')", None)
+            fanout.fail(
+                f"rollout worker {worker.spec.index} restarted after a weight sync from {len(self.sources)} "
+                "pipeline stages: only the next sync can give it the weights (rollout.weight_sync=broadcast "
+                "at parallel.pp > 1 does not survive a worker restart between syncs; use 'snapshot')",
+                None,
+            )
         self.sender.push(fanout, self, [worker], main=False)
 
 
@@ -113,8 +116,10 @@ class Sender:
             if s.engine is not None:
                 s.engine.load_weights(BroadcastUpdate(self, (specs,), [t.detach() for _, t in tensors]), version)
             return SyncStats(sum(x.nbytes for x in specs))
-        stages = sorted((e for e in all_gather(s.channel, (s.place.stage, specs) if s.place.sender else None)
-                         if e is not None), key=lambda e: e[0])
+        stages = sorted(
+            (e for e in all_gather(s.channel, (s.place.stage, specs) if s.place.sender else None) if e is not None),
+            key=lambda e: e[0],
+        )
         if not s.channel.is_leader:
             self.follow([t for _, t in tensors] if s.place.sender else None)
         else:
@@ -138,8 +143,10 @@ class Sender:
             if not self._push_once(fanout, update, workers, main):
                 return
             self._main = None  # a member died: that group is gone
-        fanout.give_up(f"rollout workers kept failing during weight sync (version {fanout.version}); "
-                       f"rollout.max_restarts={fanout.max_restarts}")
+        fanout.give_up(
+            f"rollout workers kept failing during weight sync (version {fanout.version}); "
+            f"rollout.max_restarts={fanout.max_restarts}"
+        )
 
     def _push_once(self, fanout: Fanout, update: BroadcastUpdate, workers: list, main: bool) -> list:
         pids = tuple(w.process.pid for w in workers)
@@ -164,8 +171,11 @@ class Sender:
             if peer_error is not None:
                 raise RuntimeError(f"a pipeline stage's sender failed: {peer_error}")
 
-        return fanout.run({w: ReceiveBuckets(sources, self.setup.bucket_bytes) for w in workers}, "receive weights",
-                          collective=collective)
+        return fanout.run(
+            {w: ReceiveBuckets(sources, self.setup.bucket_bytes) for w in workers},
+            "receive weights",
+            collective=collective,
+        )
 
     def _join(self, fanout: Fanout, workers: list, staged: bool) -> tuple[object, list]:
         """New groups: this process (rank 0) and ``workers``, and (``staged``) each other stage's
@@ -173,12 +183,14 @@ class Sender:
         listener = open_listener(fanout.address)
         try:
             world = len(workers) + 1
-            address = GroupAddress(fanout.address, listener.getsockname()[1], world, fanout.group_backend,
-                                   timeout_s=fanout.timeout_s)
+            address = GroupAddress(
+                fanout.address, listener.getsockname()[1], world, fanout.group_backend, timeout_s=fanout.timeout_s
+            )
             peers = self._peer_addresses(fanout, world) if staged else ()
             holder: list = []
             restarted = fanout.run(
-                {w: JoinGroups((address, *peers), i + 1) for i, w in enumerate(workers)}, "join the sync group",
+                {w: JoinGroups((address, *peers), i + 1) for i, w in enumerate(workers)},
+                "join the sync group",
                 collective=lambda: holder.append(make_group(address, 0, listener=listener)),
             )
         finally:
@@ -258,11 +270,13 @@ class Receiver:
             self._ring = BufferRing(2) if getattr(backend, "streams_weights", False) else None
             return
         if len(self._groups) != len(load.sources):
-            raise RuntimeError(f"ReceiveBuckets from {len(load.sources)} senders, "
-                               f"but {len(self._groups)} groups joined")
+            raise RuntimeError(
+                f"ReceiveBuckets from {len(load.sources)} senders, but {len(self._groups)} groups joined"
+            )
         device = buffer_device(self._backend, backend.device)
         with one_copy_thread():
             backend.load_tensors(
-                item for group, specs in zip(self._groups, load.sources, strict=True)
+                item
+                for group, specs in zip(self._groups, load.sources, strict=True)
                 for item in receive_tensors(group, specs, load.bucket_bytes, device, self._ring)
             )

@@ -142,7 +142,7 @@ class BufferRing:
         raw = self._raw[slot]
         if raw is None or raw.numel() < bucket.nbytes or raw.device != device:
             raw = self._raw[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        return raw[:bucket.nbytes].view(bucket.torch_dtype)
+        return raw[: bucket.nbytes].view(bucket.torch_dtype)
 
 
 def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,7 +158,7 @@ def pack(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor | No
             return t.reshape(-1)
     buffer = out if out is not None else torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
     for p in bucket.pieces:
-        buffer[p.offset:p.offset + p.numel].copy_(tensors[p.index].reshape(-1)[p.start:p.start + p.numel])
+        buffer[p.offset : p.offset + p.numel].copy_(tensors[p.index].reshape(-1)[p.start : p.start + p.numel])
     return buffer
 
 
@@ -172,12 +172,12 @@ class Unpacker:
     def feed(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         for p in bucket.pieces:
             spec = self._specs[p.index]
-            piece = buffer[p.offset:p.offset + p.numel]
+            piece = buffer[p.offset : p.offset + p.numel]
             if p.start == 0 and p.numel == spec.numel:
                 yield spec.name, piece.view(spec.shape)
                 continue
             if p.start == 0:
                 self._partial[p.index] = torch.empty(spec.numel, dtype=spec.torch_dtype, device=buffer.device)
-            self._partial[p.index][p.start:p.start + p.numel].copy_(piece)
+            self._partial[p.index][p.start : p.start + p.numel].copy_(piece)
             if p.start + p.numel == spec.numel:
                 yield spec.name, self._partial.pop(p.index).view(spec.shape)

@@ -31,8 +31,16 @@ import torch.distributed as dist
 
 from megatron_rl.weight_sync.buckets import BufferRing, TensorSpec, Unpacker, one_copy_thread, pack, plan_buckets
 
-__all__ = ["GROUP_BACKENDS", "GroupAddress", "TensorSpec", "buffer_device", "make_group", "open_listener",
-           "receive_tensors", "send_tensors"]
+__all__ = [
+    "GROUP_BACKENDS",
+    "GroupAddress",
+    "TensorSpec",
+    "buffer_device",
+    "make_group",
+    "open_listener",
+    "receive_tensors",
+    "send_tensors",
+]
 
 GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -56,8 +64,10 @@ def open_listener(host: str) -> socket.socket:
         sock.listen()
     except OSError as err:
         sock.close()
-        raise ValueError(f"rollout.sync_address={host!r}: cannot listen there ({err}); "
-                         "give an address of this machine, e.g. 127.0.0.1") from err
+        raise ValueError(
+            f"rollout.sync_address={host!r}: cannot listen there ({err}); "
+            "give an address of this machine, e.g. 127.0.0.1"
+        ) from err
     return sock
 
 
@@ -68,8 +78,14 @@ def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | No
     timeout = datetime.timedelta(seconds=address.timeout_s)
     if rank == 0 and listener is None:
         raise ValueError("make_group: rank 0 needs the listener socket of open_listener(address.host)")
-    store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout,
-                          master_listen_fd=listener.detach() if rank == 0 else None)
+    store = dist.TCPStore(
+        address.host,
+        address.port,
+        address.world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=listener.detach() if rank == 0 else None,
+    )
     store = dist.PrefixStore("megatron_rl/weights", store)
     if address.backend == "gloo":  # options as torch's own new_group builds them: a device on host
         options = dist.ProcessGroupGloo._Options()
@@ -101,8 +117,14 @@ def _broadcast(group, tensor: torch.Tensor):
     return group.broadcast([tensor], opts)  # .wait() is bounded by the group's timeout (make_group)
 
 
-def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int, ring: BufferRing | None = None,
-                 *, device: torch.device | None = None) -> int:
+def send_tensors(
+    group,
+    tensors: Sequence[torch.Tensor],
+    bucket_bytes: int,
+    ring: BufferRing | None = None,
+    *,
+    device: torch.device | None = None,
+) -> int:
     """Rank 0: broadcast ``tensors`` (in the order of the specs the receivers were given) in
     buckets of ``bucket_bytes``, packed into the two buffers of ``ring`` (kept by the caller
     between syncs, or new) on ``device`` (``buffer_device``; default: the tensors' own); the
@@ -122,8 +144,9 @@ def send_tensors(group, tensors: Sequence[torch.Tensor], bucket_bytes: int, ring
     return sent
 
 
-def receive_tensors(group, specs: Sequence[TensorSpec], bucket_bytes: int, device: torch.device,
-                    ring: BufferRing | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_tensors(
+    group, specs: Sequence[TensorSpec], bucket_bytes: int, device: torch.device, ring: BufferRing | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Ranks > 0: yield ``(name, tensor)`` for every spec as its bucket arrives; the next
     bucket is received while this one's tensors are consumed. Without ``ring`` every bucket
     gets a fresh buffer (the yielded views stay valid to the end); with one (a consumer that
@@ -132,8 +155,11 @@ def receive_tensors(group, specs: Sequence[TensorSpec], bucket_bytes: int, devic
 
     def post(k: int):
         bucket = buckets[k]
-        buffer = ring.get(k, bucket, device) if ring is not None else torch.empty(
-            bucket.numel, dtype=bucket.torch_dtype, device=device)
+        buffer = (
+            ring.get(k, bucket, device)
+            if ring is not None
+            else torch.empty(bucket.numel, dtype=bucket.torch_dtype, device=device)
+        )
         return buffer, _broadcast(group, buffer)
 
     pending = post(0) if buckets else None

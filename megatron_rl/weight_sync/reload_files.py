@@ -21,8 +21,9 @@ from megatron_rl.models.safetensors_stream import SafetensorsStream, TensorEntry
 SHARD_BYTES = 256 << 20  # host memory held before a shard is written
 
 
-def write_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path,
-                 shard_bytes: int = SHARD_BYTES) -> list[Path]:
+def write_shards(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path, shard_bytes: int = SHARD_BYTES
+) -> list[Path]:
     """Write ``named_tensors`` (any device) into safetensors files in ``directory``, holding at
     most ``shard_bytes`` (or one larger tensor) on the host at a time; returns the files."""
     pending: list[tuple[str, torch.Tensor]] = []

@@ -76,7 +76,7 @@ class _Mapping:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def view(self, spec: TensorSpec, offset: int) -> torch.Tensor:
-        return self.tensor[offset:offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+        return self.tensor[offset : offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
 
 
 class SharedWeightsWriter:
@@ -114,7 +114,8 @@ def read_shared(layout: SharedLayout, cache: dict | None = None) -> Iterator[tup
     except FileNotFoundError as err:
         raise FileNotFoundError(
             f"rollout.weight_sync=shared_memory: {layout.path} is not on this machine; the engines must "
-            "run on the machine of every pipeline stage's sender (use 'broadcast' otherwise)") from err
+            "run on the machine of every pipeline stage's sender (use 'broadcast' otherwise)"
+        ) from err
     cache = {} if cache is None else cache
     mapping = cache.get(layout.path)
     if mapping is None or mapping.nbytes != layout.nbytes or mapping.inode != inode:
@@ -141,8 +142,9 @@ class Sender:
     def __init__(self, setup: SenderSetup):
         self.setup = setup
         place = setup.place
-        self._writer = (SharedWeightsWriter(Path(setup.scratch) / f"weights-stage{place.stage}.bin")
-                        if place.sends else None)  # rewritten in place every sync
+        self._writer = (
+            SharedWeightsWriter(Path(setup.scratch) / f"weights-stage{place.stage}.bin") if place.sends else None
+        )  # rewritten in place every sync
 
     def sync(self, version: int) -> SyncStats:
         s = self.setup

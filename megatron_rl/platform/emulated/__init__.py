@@ -98,8 +98,10 @@ def set_profile(name: ProfileName) -> None:
     """Enforce the rules of ``name`` (``cuda`` or ``npu``, see ``profiles.py``) from now on in this
     process; the memory capacity becomes the profile's (or ``$MEGATRON_RL_EMULATED_MEMORY_GB``)."""
     if name not in PROFILES:
-        raise ValueError(f"emulated profile {name!r}: expected one of {', '.join(PROFILES)} "
-                         "(MEGATRON_RL_PLATFORM=emulated selects cuda, emulated-npu selects npu)")
+        raise ValueError(
+            f"emulated profile {name!r}: expected one of {', '.join(PROFILES)} "
+            "(MEGATRON_RL_PLATFORM=emulated selects cuda, emulated-npu selects npu)"
+        )
     load()
     _apply(PROFILES[name])
 
@@ -152,12 +154,16 @@ def _apply(rules: Profile) -> None:
 
     ext, capacity = _STATE["ext"], _profile_capacity(rules)  # first: a bad value changes nothing
     compute, missing = rules.compute, rules.missing
-    ext.set_compute_rules(rules.name, rules.device_name, list(compute.refused) if compute else [],
-                          compute.fix if compute else "")
+    ext.set_compute_rules(
+        rules.name, rules.device_name, list(compute.refused) if compute else [], compute.fix if compute else ""
+    )
     reduce_ops = [int(getattr(dist.ReduceOp.RedOpType, op)) for op in (missing.reduce_ops if missing else ())]
-    ext.set_collective_rules([(list(r.collectives), list(r.accepted)) for r in rules.collective_dtypes],
-                             list(missing.collectives) if missing else [], reduce_ops,
-                             rules.contiguity.message if rules.contiguity else "")
+    ext.set_collective_rules(
+        [(list(r.collectives), list(r.accepted)) for r in rules.collective_dtypes],
+        list(missing.collectives) if missing else [],
+        reduce_ops,
+        rules.contiguity.message if rules.contiguity else "",
+    )
     ext.set_memory_capacity(-1 if capacity is None else capacity)
     _set_type_prefix(rules.type_string.prefix)
     _STATE["profile"] = rules.name

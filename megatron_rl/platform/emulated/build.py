@@ -59,8 +59,13 @@ def _compile(directory: Path, verbose: bool) -> ModuleType:
     # ninja from the virtual environment (a declared requirement) when it is not on PATH.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     directory.mkdir(parents=True, exist_ok=True)
-    return load(name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
-                extra_cflags=["-O2", "-Wno-unused-parameter"], verbose=verbose)
+    return load(
+        name=NAME,
+        sources=[str(CSRC / s) for s in SOURCES],
+        build_directory=str(directory),
+        extra_cflags=["-O2", "-Wno-unused-parameter"],
+        verbose=verbose,
+    )
 
 
 def _import(library: Path) -> ModuleType:

@@ -97,23 +97,63 @@ class Profile:
 
 
 HOST_SYNCS = HostSyncRule(
-    ops=("nonzero", "argwhere", "unique", "masked_select", "index with a boolean mask",
-         "index_put with a boolean mask", "repeat_interleave without output_size", "bincount"),
+    ops=(
+        "nonzero",
+        "argwhere",
+        "unique",
+        "masked_select",
+        "index with a boolean mask",
+        "index_put with a boolean mask",
+        "repeat_interleave without output_size",
+        "bincount",
+    ),
     source="PyTorch aten/src/ATen/native/cuda/Nonzero.cu (cudaMemcpyAsync of the count + stream sync), "
-           "Unique.cu, Indexing.cu (expandTensors -> nonzero for byte/bool indices), "
-           "Repeat.cu / Repeat.cpp (repeats.sum().item() when output_size is None); torch_npu does the same "
-           "(aclnnNonzero returns its count to the host)",
+    "Unique.cu, Indexing.cu (expandTensors -> nonzero for byte/bool indices), "
+    "Repeat.cu / Repeat.cpp (repeats.sum().item() when output_size is None); torch_npu does the same "
+    "(aclnnNonzero returns its count to the host)",
 )
 
-REDUCTIONS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
-              "reduce_scatter_tensor_coalesced")
+REDUCTIONS = (
+    "allreduce",
+    "allreduce_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced",
+)
 # torch_npu HCCLUtils.cpp kScalarTypeToHcclDataType: the dtypes any HCCL collective can carry
 # (getHcclDataType raises "Unsupported data type for HCCL process group" for the rest).
-HCCL_CARRIED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-                torch.uint16, torch.uint32, torch.uint64, torch.float64, torch.bool, torch.bfloat16,
-                torch.float8_e4m3fn, torch.float8_e5m2)
-ALL_COLLECTIVES = ("broadcast", "allgather", "_allgather_base", "allgather_into_tensor_coalesced", "gather",
-                   "scatter", "alltoall", "alltoall_base", "send", "recv", "recvAnysource", *REDUCTIONS)
+HCCL_CARRIED = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float64,
+    torch.bool,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+ALL_COLLECTIVES = (
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "allgather_into_tensor_coalesced",
+    "gather",
+    "scatter",
+    "alltoall",
+    "alltoall_base",
+    "send",
+    "recv",
+    "recvAnysource",
+    *REDUCTIONS,
+)
 
 NPU_910B = Profile(
     name="npu",
@@ -122,49 +162,51 @@ NPU_910B = Profile(
         refused=(torch.float64,),
         fix="compute in float32 on the device, or in float64 on the host",
         source="CANN ops-math math/expm1/op_host/op_api/expm1.cpp: ASCEND910B_AICORE_DTYPE_SUPPORT_LIST = "
-               "{FLOAT, FLOAT16, BF16}; aclnn_expm1.h: self INT64, BOOL, FLOAT, BFLOAT16, FLOAT16 (no DOUBLE); "
-               "the 910B AI core has no fp64 units, ops that accept DOUBLE (e.g. aclnnAdds) run on AICPU, "
-               "slowly (huggingface/diffusers#10123 'npu not support float64'). Stricter than CANN on purpose: "
-               "every fp64 device computation is refused, storage and casts are allowed",
+        "{FLOAT, FLOAT16, BF16}; aclnn_expm1.h: self INT64, BOOL, FLOAT, BFLOAT16, FLOAT16 (no DOUBLE); "
+        "the 910B AI core has no fp64 units, ops that accept DOUBLE (e.g. aclnnAdds) run on AICPU, "
+        "slowly (huggingface/diffusers#10123 'npu not support float64'). Stricter than CANN on purpose: "
+        "every fp64 device computation is refused, storage and casts are allowed",
     ),
     collective_dtypes=(
         CollectiveDtypeRule(
             collectives=REDUCTIONS,
-            accepted=(torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-                      torch.bfloat16),
+            accepted=(torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16),
             source=f"{TORCH_NPU}/ProcessGroupHCCL.cpp checkSupportedDataType (fp64 / uint64 only on Ascend950; "
-                   "uint8 and bool never): called by allreduce, allreduce_coalesced, reduce, reduce_scatter, "
-                   "_reduce_scatter_base, reduce_scatter_tensor_coalesced",
+            "uint8 and bool never): called by allreduce, allreduce_coalesced, reduce, reduce_scatter, "
+            "_reduce_scatter_base, reduce_scatter_tensor_coalesced",
         ),
         CollectiveDtypeRule(
             collectives=ALL_COLLECTIVES,
             accepted=HCCL_CARRIED,
             source=f"{TORCH_NPU}/HCCLUtils.cpp kScalarTypeToHcclDataType / getHcclDataType "
-                   "(allgather and broadcast carry every mapped dtype, fp64 included)",
+            "(allgather and broadcast carry every mapped dtype, fp64 included)",
         ),
     ),
     missing=MissingCollectiveRule(
         collectives=("gather", "recvAnysource"),
         reduce_ops=("BAND", "BOR", "BXOR"),
         source=f"{TORCH_NPU}/ProcessGroupHCCL.cpp: gather throws 'ProcessGroupHCCL does not support gather' "
-               "(unless TORCH_NPU_USE_COMPATIBLE_IMPL=1 on A2/A3), recvAnysource 'does not support recv', "
-               "unsupportedOp = {BAND, BOR, BXOR} in getHcclReduceOp; scatter and list alltoall exist",
+        "(unless TORCH_NPU_USE_COMPATIBLE_IMPL=1 on A2/A3), recvAnysource 'does not support recv', "
+        "unsupportedOp = {BAND, BOR, BXOR} in getHcclReduceOp; scatter and list alltoall exist",
     ),
     contiguity=ContiguityRule(
         message="Tensors must be contiguous",
         source=f"{TORCH_NPU}/ProcessGroupHCCL.cpp check_npu_tensors_different_devices / "
-               "check_npu_single_tensor: !t.is_contiguous(t.suggest_memory_format()) raises",
+        "check_npu_single_tensor: !t.is_contiguous(t.suggest_memory_format()) raises",
     ),
     type_string=TypeStringRule(
         prefix="torch.npu",
         source="torch_npu renames PrivateUse1 to 'npu' and registers torch.npu.*Tensor types "
-               "(torch_npu/csrc/utils/TensorType.cpp: get_module(backend) + '.' + toString(scalarType) + 'Tensor'); "
-               "megatron-core compares with torch.cuda.*Tensor, MindSpeed's type_wrapper rewrites the string",
+        "(torch_npu/csrc/utils/TensorType.cpp: get_module(backend) + '.' + toString(scalarType) + 'Tensor'); "
+        "megatron-core compares with torch.cuda.*Tensor, MindSpeed's type_wrapper rewrites the string",
     ),
-    memory=MemoryRule(capacity_bytes=64 * GIB, oom_name="NPU",
-                      source="Ascend 910B: 64 GB HBM2e per device (Atlas 800T A2 datasheet); torch_npu/csrc/core/npu/"
-                             "NPUCachingAllocator.cpp: TORCH_CHECK_WITH(OutOfMemoryError, ...) 'NPU out of memory. "
-                             "Tried to allocate'"),
+    memory=MemoryRule(
+        capacity_bytes=64 * GIB,
+        oom_name="NPU",
+        source="Ascend 910B: 64 GB HBM2e per device (Atlas 800T A2 datasheet); torch_npu/csrc/core/npu/"
+        "NPUCachingAllocator.cpp: TORCH_CHECK_WITH(OutOfMemoryError, ...) 'NPU out of memory. "
+        "Tried to allocate'",
+    ),
     host_syncs=HOST_SYNCS,
 )
 
@@ -175,11 +217,14 @@ CUDA_H200 = Profile(
     collective_dtypes=(),
     missing=None,
     contiguity=None,
-    type_string=TypeStringRule(prefix="torch.emulated", source="torch's PrivateUse1 type strings "
-                                                                "(torch.<backend>.FloatTensor)"),
-    memory=MemoryRule(capacity_bytes=141 * 10**9, oom_name="CUDA",
-                      source="NVIDIA H200: 141 GB HBM3e; c10/cuda/CUDACachingAllocator.cpp "
-                             "'CUDA out of memory. Tried to allocate'"),
+    type_string=TypeStringRule(
+        prefix="torch.emulated", source="torch's PrivateUse1 type strings (torch.<backend>.FloatTensor)"
+    ),
+    memory=MemoryRule(
+        capacity_bytes=141 * 10**9,
+        oom_name="CUDA",
+        source="NVIDIA H200: 141 GB HBM3e; c10/cuda/CUDACachingAllocator.cpp 'CUDA out of memory. Tried to allocate'",
+    ),
     host_syncs=HOST_SYNCS,
 )
 

@@ -121,8 +121,10 @@ class _CudaOnCPU(types.ModuleType):
         torch.set_rng_state(state)
 
     # tensor_parallel.random._get_cuda_rng_state (activation recompute saves the device RNG state)
-    random = types.SimpleNamespace(get_rng_state=lambda device=None: torch.get_rng_state(),
-                                   set_rng_state=lambda state, device=None: torch.set_rng_state(state))
+    random = types.SimpleNamespace(
+        get_rng_state=lambda device=None: torch.get_rng_state(),
+        set_rng_state=lambda state, device=None: torch.set_rng_state(state),
+    )
 
     @staticmethod
     def manual_seed(seed):

@@ -20,8 +20,13 @@ from __future__ import annotations
 import torch
 
 
-def calculate_predicted_logits(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, logits_max: torch.Tensor,
-                               vocab_start_index: int, vocab_end_index: int):
+def calculate_predicted_logits(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    logits_max: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+):
     """megatron's ``calculate_predicted_logits`` (same inputs, outputs and in-place use of the
     logits), without data-dependent shapes."""
     vocab_parallel_logits -= logits_max.unsqueeze(dim=-1)  # in place, as megatron: less memory

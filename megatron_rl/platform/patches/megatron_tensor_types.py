@@ -59,7 +59,7 @@ def cuda_type_name(name: str) -> str:
         return name
     for prefix in _DEVICE_PREFIXES:
         if name.startswith(prefix):
-            return "torch.cuda." + name[len(prefix):]
+            return "torch.cuda." + name[len(prefix) :]
     return name.replace("torch.", "torch.cuda.", 1)
 
 

@@ -40,7 +40,9 @@ def apply_npu_adaptor(device: torch.device, *, emulated: bool = False) -> None:
 
 def _import_torch_npu() -> None:
     if importlib.util.find_spec("torch_npu") is None:
-        raise RuntimeError("platform 'npu' needs torch_npu (and CANN): pip install 'megatron_rl[npu]' "
-                           "on a machine with the Ascend toolkit (source its set_env.sh first)")
+        raise RuntimeError(
+            "platform 'npu' needs torch_npu (and CANN): pip install 'megatron_rl[npu]' "
+            "on a machine with the Ascend toolkit (source its set_env.sh first)"
+        )
     import torch_npu  # noqa: F401
     from torch_npu.contrib import transfer_to_npu  # noqa: F401  (maps torch.cuda.* calls to npu)
