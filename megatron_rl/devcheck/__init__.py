@@ -1,4 +1,4 @@
-"""``tools/device_check.py``: the first run of megatron_rl on a real device, one JSON line.
+"""First run on a real device (``tools/device_check.py``): checks in child processes, one JSON line.
 
 Checks, in order (``CHECKS``), each in a fresh child process so that a crash, a hang or a
 poisoned device context in one cannot hide the others:

@@ -1,5 +1,7 @@
-"""Launch planning: where every rank and engine runs and how much device memory a training
-rank needs, before anything launches (``python -m megatron_rl plan``).
+"""Launch plan: ranks and engines per node, memory per device (``python -m megatron_rl plan``).
+
+Where every rank and engine runs and how much device memory a training rank needs, before
+anything launches.
 
 Modules: `devices` (device memory table), `layout` (ranks and engines per node, megatron's
 TP / PP / DP coordinates), `memory` (the per-device memory model), `build` (config -> `Plan`,

@@ -1,5 +1,7 @@
-"""Platform layer: which device this rank computes on, which collective backend it uses, and the
-adaptors that let megatron-core run there (CPU shims here; torch_npu / MindSpeed on Ascend).
+"""Platform: the compute device and collective backend per rank; adaptors (CPU, emulated, torch_npu).
+
+Which device this rank computes on, which collective backend it uses, and the adaptors that let
+megatron-core run there (CPU shims here; torch_npu / MindSpeed on Ascend).
 
 Call ``setup_platform()`` once per process before building models; it is idempotent.
 """
