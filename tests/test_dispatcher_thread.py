@@ -97,17 +97,12 @@ def _remote(leader: FakeLeader) -> list[float]:
 
 
 def test_bench_dispatcher_reports_its_figures_in_one_json_line(capsys, monkeypatch):
-    """``tools/bench_dispatcher.py`` at a tiny scale: one JSON line, every figure there, and a
-    micro-batch shipped without its Sample records is smaller and pickles faster."""
-    import importlib.util
+    """``megatron_rl/bench/benchmarks/dispatcher.py`` at a tiny scale: one JSON line, every figure
+    there, and a micro-batch shipped without its Sample records is smaller and pickles faster."""
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_dispatcher.py"
-    spec = importlib.util.spec_from_file_location("bench_dispatcher", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(__import__("sys").modules, "bench_dispatcher", bench)  # its dataclasses look it up
-    spec.loader.exec_module(bench)
+    from megatron_rl.bench.benchmarks import dispatcher as bench
+
     assert (
         bench.main(
             [

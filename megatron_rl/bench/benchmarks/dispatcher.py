@@ -32,16 +32,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl.control import FixedController  # noqa: E402
-from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings  # noqa: E402
-from megatron_rl.pipeline import records as records_mod  # noqa: E402
-from megatron_rl.rollout.types import GenerationResult, SamplingSettings  # noqa: E402
-from megatron_rl.trainer.loop import run_step  # noqa: E402
-from megatron_rl.trainer.rl_step import shipped  # noqa: E402
+from megatron_rl.control import FixedController
+from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
+from megatron_rl.pipeline import records as records_mod
+from megatron_rl.rollout.types import GenerationResult, SamplingSettings
+from megatron_rl.trainer.loop import run_step
+from megatron_rl.trainer.rl_step import shipped
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -203,7 +200,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.reward_workers:
         from megatron_rl.rewards.pool import RewardPool
 
-        reward = RewardPool("bench_dispatcher:busy_reward", workers=args.reward_workers, timeout_s=600.0)
+        reward = RewardPool(
+            "megatron_rl.bench.benchmarks.dispatcher:busy_reward", workers=args.reward_workers, timeout_s=600.0
+        )
     pipe = Pipeline(
         engine=fleet,
         prompts=_Prompts(args.prompts, args.prompt_len, args.reward_ms / 1e3),

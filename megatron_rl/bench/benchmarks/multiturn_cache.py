@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl.config import load_config  # noqa: E402
-from megatron_rl.data.sources import read_records  # noqa: E402
-from megatron_rl.environments.base import record_fields  # noqa: E402
-from megatron_rl.rollout import build_engine  # noqa: E402
-from megatron_rl.rollout.multiturn import GroupStart  # noqa: E402
-from megatron_rl.rollout.wrapper import StreamRecorder  # noqa: E402
-from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings  # noqa: E402
+from megatron_rl.config import load_config
+from megatron_rl.data.sources import read_records
+from megatron_rl.environments.base import record_fields
+from megatron_rl.rollout import build_engine
+from megatron_rl.rollout.multiturn import GroupStart
+from megatron_rl.rollout.wrapper import StreamRecorder
+from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings
 
 
 def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
