@@ -29,7 +29,7 @@ from megatron_rl.data.sources import read_records
 from megatron_rl.environments.base import record_fields
 from megatron_rl.rollout import build_engine
 from megatron_rl.rollout.multiturn import GroupStart
-from megatron_rl.rollout.wrapper import StreamRecorder
+from megatron_rl.rollout.engine_wrapper import StreamRecorder
 from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings
 
 

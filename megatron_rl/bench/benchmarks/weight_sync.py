@@ -186,7 +186,7 @@ def bench_demo(args, engine_name: str) -> dict:
 
 def bench_big(args) -> dict:
     from megatron_rl.rollout import WorkerPool
-    from megatron_rl.rollout.engine import worker_specs
+    from megatron_rl.rollout.build import worker_specs
 
     tensors = qwen2_tensors(args.big)
     gb = sum(t.nbytes for _, t in tensors) / 1e9

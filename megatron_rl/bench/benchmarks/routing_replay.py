@@ -43,7 +43,7 @@ def perturbed_copy(model: str, out: Path, noise: float, seed: int) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.hf_routes import moe_routers
+    from megatron_rl.rollout.backends.hf_routes import moe_routers
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
@@ -60,7 +60,7 @@ def sample_groups(engine_dir: Path, args: argparse.Namespace, vocab: int):
     import torch
 
     from megatron_rl.pipeline.records import Sample, ScoredGroup
-    from megatron_rl.rollout.hf_worker import HFBackend
+    from megatron_rl.rollout.backends.hf import HFBackend
     from megatron_rl.rollout.settings import DeviceAssignment
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
     from megatron_rl.rollout.worker import WorkerSpec

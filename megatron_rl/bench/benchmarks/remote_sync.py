@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     from bench_weight_sync import _settings, qwen2_tensors
     from safetensors.torch import load_file
 
-    from megatron_rl.rollout.engine import worker_specs
+    from megatron_rl.rollout.build import worker_specs
 
     (base,) = worker_specs(_settings("hf", args.model))
 
