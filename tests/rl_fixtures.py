@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.rollout.engine_wrapper import EngineWrapper
 
 
 def make_tiny_rl_model(path: Path, *, seed: int = 0, layers: int = 2) -> Path:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout import EngineSettings, build_engine
+from megatron_rl.rollout.engine_wrapper import EngineWrapper
 from megatron_rl.rollout.scoring import ScoreRequest
-from megatron_rl.rollout.wrapper import EngineWrapper
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import hf_teacher_forced_logprobs, request, run_all
 

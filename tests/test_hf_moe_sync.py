@@ -22,7 +22,7 @@ def test_hf_engine_loads_every_moe_familys_checkpoint_names(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.config.devices import DeviceAssignment
-    from megatron_rl.rollout.hf_worker import HFBackend
+    from megatron_rl.rollout.backends.hf import HFBackend
     from megatron_rl.rollout.worker import WorkerSpec
 
     start = make_tiny_moe(tmp_path / "a", family, seed=0, layers=2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.rollout.engine_wrapper import EngineWrapper
 from tests.distributed import run_distributed
 from tests.rl_fixtures import TRAIN_PLATFORM, lead_holding_factory, make_tiny_rl_model, tiny_rl_config
 

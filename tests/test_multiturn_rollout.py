@@ -18,8 +18,8 @@ from megatron_rl.environments import load_environment
 from megatron_rl.environments.tasks import EchoCounter
 from megatron_rl.environments.template import observation_ids, prompt_ids
 from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
+from megatron_rl.rollout.engine_wrapper import EngineWrapper, StreamRecorder
 from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
-from megatron_rl.rollout.wrapper import EngineWrapper, StreamRecorder
 from tests.multiturn_fixtures import make_tiny_chat_model
 from tests.rl_fixtures import teacher_forced_logprobs
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_rl.config.schema import SamplingConfig
 from megatron_rl.rollout import DeviceAssignment, EngineSettings, SamplingSettings, parse_device
-from megatron_rl.rollout.engine import worker_specs
+from megatron_rl.rollout.build import worker_specs
 from megatron_rl.rollout.sampling import sample_next, top_p_mask
 
 

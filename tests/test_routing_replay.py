@@ -116,7 +116,7 @@ def test_missing_or_misshapen_routes_are_named():
 def test_hf_engine_records_the_routes_its_layers_used(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.hf_worker import HFBackend
+    from megatron_rl.rollout.backends.hf import HFBackend
     from megatron_rl.rollout.settings import DeviceAssignment
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
     from megatron_rl.rollout.worker import WorkerSpec
@@ -170,8 +170,8 @@ def test_routes_survive_dp_shipping_and_the_vllm_output():
     import pickle
     from types import SimpleNamespace
 
+    from megatron_rl.rollout.backends.vllm import _result
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
-    from megatron_rl.rollout.vllm_worker import _result
     from megatron_rl.trainer.rl_step import shipped
 
     rng = np.random.default_rng(2)

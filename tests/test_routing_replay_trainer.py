@@ -29,7 +29,7 @@ def _engine_group(clean, noisy_dir):
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.pipeline.records import Sample, ScoredGroup
-    from megatron_rl.rollout.hf_worker import HFBackend
+    from megatron_rl.rollout.backends.hf import HFBackend
     from megatron_rl.rollout.settings import DeviceAssignment
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
     from megatron_rl.rollout.worker import WorkerSpec

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.rollout import vllm_api
-from megatron_rl.rollout.vllm_api import API_CALLS, ENGINES, RELEASES, ApiCall, engine_family
-from megatron_rl.rollout.vllm_api_check import call_name, check_installed, check_source
+from megatron_rl.rollout.backends.vllm_api import API_CALLS, ENGINES, RELEASES, ApiCall, engine_family
+from megatron_rl.rollout.backends.vllm_api_check import call_name, check_installed, check_source
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None  # the two tests that import it (10-40 s): mark vllm

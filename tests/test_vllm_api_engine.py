@@ -31,7 +31,7 @@ def reload_both_ways(model_dir: str, new_dirs: tuple[str, str]) -> list[float]:
     and the embedding change of the first reload (it must be far from 0)."""
     from safetensors.torch import load_file
 
-    from megatron_rl.rollout.vllm_api import VLLMAscendEngine, VLLMCpuEngine, VLLMEngine
+    from megatron_rl.rollout.backends.vllm_api import VLLMAscendEngine, VLLMCpuEngine, VLLMEngine
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     spec = types.SimpleNamespace(

@@ -24,10 +24,10 @@ from megatron_rl.environments.runner import EnvironmentRunner
 from megatron_rl.environments.tasks import EchoCounter
 from megatron_rl.rollout import build_engine
 from megatron_rl.rollout import multiturn as multiturn_module
+from megatron_rl.rollout.engine_wrapper import StreamRecorder
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
 from megatron_rl.rollout.types import SamplingSettings
-from megatron_rl.rollout.wrapper import StreamRecorder
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import engine_settings, request, run_all
 

@@ -69,8 +69,8 @@ class FakeLLM:
 
 def tp2_engine(device: torch.device, model: dict[str, torch.Tensor]):
     """A ``VLLMBackend`` at tensor-parallel size 2 on ``device`` around ``FakeLLM(model)``."""
-    from megatron_rl.rollout.vllm_api import VLLMEngine
-    from megatron_rl.rollout.vllm_worker import VLLMBackend
+    from megatron_rl.rollout.backends.vllm import VLLMBackend
+    from megatron_rl.rollout.backends.vllm_api import VLLMEngine
 
     backend = VLLMBackend.__new__(VLLMBackend)  # no vLLM engine: its LLM is the fake
     backend._device_kind, backend._tp, backend._pending = device.type, 2, {}

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.rollout.engine_wrapper import EngineWrapper
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP = 3, 4

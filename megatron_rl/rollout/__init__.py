@@ -6,16 +6,19 @@ fallback), weight sync from the trainer, version bookkeeping, supervision of wor
     for result in engine.generate(requests): ...          # completion order, once per request
     engine.load_weights(SnapshotUpdate(str(snap_dir)), version=step)   # or a weight_sync sender
 
-Modules: `pool` (WorkerPool, the engine), `dispatch` (one generate call: chunks, exactly-once
-results), `supervision` (processes: death, hang by rollout.request_timeout_s, restarts),
-`delivery` (a `megatron_rl.weight_sync` update into every worker; the transports live in
-that package), `worker` (the worker process and its messages), `stream_worker` (the serve loop of
-a backend stepped between commands: vLLM), `hf_worker` / `vllm_worker` (backends), `faults`
-(seeded fault injection for chaos runs), `settings`, `types`, `sampling`, `remote` (rank 0's
-hub for engines on other nodes) and `serve` (a node's engine host).
+Modules: `build` (`build_engine`: settings -> a running pool), `pool` (WorkerPool, the engine),
+`dispatch` (one generate call: chunks, exactly-once results), `score_dispatch` (one score call),
+`supervision` (processes: death, hang by rollout.request_timeout_s, restarts), `weight_delivery`
+(a `megatron_rl.weight_sync` update into every worker; the transports live in that package),
+`worker` (the worker process and its messages), `stream_worker` (the serve loop of a backend
+stepped between commands: vLLM), `backends/` (the engines a worker runs: `hf`, `vllm` and its
+`vllm_api` adaptors), `remote` (rank 0's hub for engines on other nodes; a node's engine host is
+`megatron_rl.cli.serve`), `faults` (seeded fault injection for chaos runs), `engine_wrapper`
+(the base of engines wrapping another), and the records: `settings`, `types`, `scoring`
+(score requests and results), `sampling`, `feed` (requests arriving during a call).
 """
 
-from megatron_rl.rollout.engine import build_engine
+from megatron_rl.rollout.build import build_engine
 from megatron_rl.rollout.pool import WorkerPool
 from megatron_rl.rollout.settings import DeviceAssignment, EngineSettings, parse_device
 from megatron_rl.rollout.supervision import RolloutWorkerError, WorkerStatus

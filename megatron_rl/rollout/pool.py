@@ -7,7 +7,7 @@
   a failure; more than ``max_restarts`` failures in one call raise ``RolloutWorkerError``.
 - ``dispatch``: one ``generate`` call: chunks, results, every request answered exactly once
   (a failed worker's unanswered requests are re-issued).
-- ``delivery``: a ``weight_sync.WeightUpdate`` into every worker (the transports themselves
+- ``weight_delivery``: a ``weight_sync.WeightUpdate`` into every worker (the transports themselves
   live in ``megatron_rl.weight_sync``).
 
 Contract:
@@ -34,13 +34,13 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
-from megatron_rl.rollout.delivery import Delivery
 from megatron_rl.rollout.dispatch import generate_results, stream_results
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.score_dispatch import score_results
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, check_unique, in_request_order
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
+from megatron_rl.rollout.weight_delivery import Delivery
 from megatron_rl.rollout.worker import WorkerSpec
 from megatron_rl.weight_sync import WeightUpdate
 

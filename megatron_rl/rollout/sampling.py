@@ -1,6 +1,6 @@
 """Next-token sampling for the ``hf`` engine: temperature, top-p, per-request randomness.
 
-Conventions (the ``vllm`` engine follows the same ones, see ``vllm_worker``):
+Conventions (the ``vllm`` engine follows the same ones, see ``backends.vllm``):
 
 - ``temperature == 0`` means greedy (argmax, first index on ties); its log-prob is reported at
   temperature 1, i.e. ``log_softmax(logits)[token]``.

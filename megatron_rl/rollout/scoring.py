@@ -6,7 +6,7 @@ sampling and no top-p (the trainer's convention, ``vocab_parallel_logprobs``), s
 weight version it ran at. The trainer's engine probe (``trainer.engine_probe``) compares them
 with its own log-probs of the same tokens at that version, right after each weight sync.
 
-Backends (inside a worker process):
+Backends (inside a worker process; ``hf_score`` in ``backends.hf``, ``vllm_score`` in ``backends.vllm``):
 
 - ``hf``: one forward per request over ``prompt + response`` (no cache), any temperature > 0.
 - ``vllm``: ``prompt_logprobs=0`` on ``prompt + response`` with ``max_tokens=1`` (the one
@@ -19,7 +19,7 @@ Backends (inside a worker process):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -62,36 +62,3 @@ def check_unique(requests: Sequence[ScoreRequest]) -> None:
     ids = [r.request_id for r in requests]
     if len(set(ids)) != len(ids):
         raise ValueError(f"score requests: request_id {next(i for i in ids if ids.count(i) > 1)!r} appears twice")
-
-
-def hf_score(model, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
-    """Teacher-forced log-probs from a transformers causal LM, one forward per request."""
-    import torch
-
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for r in requests:
-            ids = torch.tensor([r.prompt_ids + r.response_ids], device=device)
-            n = len(r.prompt_ids)
-            logits = model(input_ids=ids).logits[0, n - 1 : -1].float()  # [Lr, V]: position t predicts t + 1
-            lp = torch.log_softmax(logits / r.temperature, dim=-1).gather(-1, ids[0, n:, None])[:, 0]
-            yield ScoreResult(request_id=r.request_id, logprobs=tuple(lp.tolist()), weight_version=weight_version)
-
-
-def vllm_score(llm, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
-    """Prompt log-probs of ``prompt + response`` from a ``vllm.LLM`` (temperature 1 only: module doc)."""
-    from vllm import SamplingParams
-
-    hot = [r.request_id for r in requests if r.temperature != 1.0]
-    if hot:
-        raise ValueError(
-            f"the vllm engine scores at temperature 1 only (vLLM 0.32's prompt log-probs are "
-            f"taken before temperature); requests {hot[:5]} ask for another"
-        )
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(r.prompt_ids + r.response_ids)} for r in requests]
-    for r, out in zip(requests, llm.generate(prompts, params, use_tqdm=False), strict=True):
-        n = len(r.prompt_ids)
-        steps = out.prompt_logprobs[n:]  # entry t: {token_t: Logprob} of prompt token t (entry 0 is None)
-        lp = tuple(step[t].logprob for step, t in zip(steps, r.response_ids, strict=True))
-        yield ScoreResult(request_id=r.request_id, logprobs=lp, weight_version=weight_version)

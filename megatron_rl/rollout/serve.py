@@ -165,7 +165,7 @@ def add_arguments(parser) -> None:
 
 def serve_command(cfg, args) -> int:
     """``python -m megatron_rl serve CONFIG --node-rank N``: run node N's engines until the run ends."""
-    from megatron_rl.rollout.engine import worker_specs
+    from megatron_rl.rollout.build import worker_specs
     from megatron_rl.trainer.from_config import engine_settings
 
     r = cfg.rollout

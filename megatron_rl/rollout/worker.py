@@ -55,8 +55,8 @@ TORCHRUN_VARS = (
 )
 VISIBLE_DEVICES_VAR = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 BACKEND_CLASSES = {
-    "hf": "megatron_rl.rollout.hf_worker:HFBackend",
-    "vllm": "megatron_rl.rollout.vllm_worker:VLLMBackend",
+    "hf": "megatron_rl.rollout.backends.hf:HFBackend",
+    "vllm": "megatron_rl.rollout.backends.vllm:VLLMBackend",
 }
 
 

@@ -82,7 +82,7 @@ class WeightSource(Protocol):
 
 
 class Fanout(Protocol):
-    """The pool's supervised workers, as an update delivers itself to them (``rollout.delivery``)."""
+    """The pool's supervised workers, as an update delivers itself to them (``rollout.weight_delivery``)."""
 
     workers: list  # WorkerHandle of every worker
     version: int  # the version being delivered

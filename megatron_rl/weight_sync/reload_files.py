@@ -1,6 +1,6 @@
 """Received HF tensors streamed into safetensors files, for an engine that reloads its weights
 from a directory (vLLM at tensor-parallel size > 1: every TP rank is a process of vLLM's own
-and reads the files itself; ``rollout.vllm_worker``).
+and reads the files itself; ``rollout.backends.vllm``).
 
 Contract: ``write_shards`` takes each ``(name, tensor)`` pair, copies it to host memory before
 asking for the next (so a receiver may reuse its device buffers: ``streams_weights``), and

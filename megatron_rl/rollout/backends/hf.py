@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megatron_rl.rollout.hf_experts import model_slot
-from megatron_rl.rollout.hf_routes import RouteRecorder
+from megatron_rl.rollout.backends.hf_experts import model_slot
+from megatron_rl.rollout.backends.hf_routes import RouteRecorder
 from megatron_rl.rollout.sampling import sample_next
-from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, hf_score
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
 from megatron_rl.rollout.worker import WorkerSpec
 
@@ -160,3 +160,17 @@ class HFBackend:
                 step_routes = self._routes.take(len(rows), 1)
                 for j, i in enumerate(rows):
                     routes[i].append(step_routes[j])
+
+
+def hf_score(model, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
+    """Teacher-forced log-probs from a transformers causal LM, one forward per request."""
+    import torch
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for r in requests:
+            ids = torch.tensor([r.prompt_ids + r.response_ids], device=device)
+            n = len(r.prompt_ids)
+            logits = model(input_ids=ids).logits[0, n - 1 : -1].float()  # [Lr, V]: position t predicts t + 1
+            lp = torch.log_softmax(logits / r.temperature, dim=-1).gather(-1, ids[0, n:, None])[:, 0]
+            yield ScoreResult(request_id=r.request_id, logprobs=tuple(lp.tolist()), weight_version=weight_version)

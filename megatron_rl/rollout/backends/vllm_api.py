@@ -1,6 +1,6 @@
 """One adaptor per vLLM engine family, and the release set each family is checked against.
 
-The ``vllm`` rollout engine (``rollout.vllm_worker``) makes every call into vLLM through a
+The ``vllm`` rollout engine (``rollout.backends.vllm``) makes every call into vLLM through a
 ``VLLMEngine``: start an in-process ``vllm.LLM``, reload weights from a directory, apply a
 function to the model, add / step / abort requests in-process, reset the prefix cache, and
 ``generate`` (prompt log-probs for ``rollout.scoring``). The family is picked by the engine's
@@ -194,7 +194,7 @@ class VLLMEngine:
     @classmethod
     def prepare(cls, spec) -> None:
         """Set the process environment before vLLM is imported."""
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (rollout.vllm_worker)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (rollout.backends.vllm)
         # vLLM logs every engine start / reload at INFO and warns about what we do on purpose (no
         # tokenizer in the engine, so its chat-template warm-up fails; fp32 weights cast into a bf16
         # engine): errors only, unless the user set VLLM_LOGGING_LEVEL (rollout.worker_env or env).

