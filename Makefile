@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EMULATED_STAMP := $(VENV)/.emulated-built
 EMULATED_SRC := $(wildcard megatron_rl/platform/emulated/csrc/*)
 
-.PHONY: install test test-fast lint demo clean
+.PHONY: install test test-fast lint format demo clean
 
 install: $(STAMP) $(EMULATED_STAMP)
 
@@ -38,8 +38,15 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not multiproc and not vllm" tests
 
+# ruff's rules and format (ruff.toml, line length 120); `make format` rewrites what `lint` rejects.
+LINT_PATHS := megatron_rl kernels tools tests examples
+
 lint: install
-	$(PY) -m ruff check megatron_rl kernels tools tests
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+
+format: install
+	$(PY) -m ruff format $(LINT_PATHS)
 
 demo: install
 	bash examples/demo/run.sh
