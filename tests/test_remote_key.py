@@ -14,7 +14,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from megatron_rl.rollout import remote, serve
+from megatron_rl.rollout import engine_host, remote
 from megatron_rl.rollout.remote import KEY_VAR, EngineHub, engine_key, is_loopback
 
 PUBLIC = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never routed
@@ -92,12 +92,12 @@ def test_engine_host_side_refuses_before_starting_a_keeper(no_key, monkeypatch):
         def run(self):
             pass
 
-    monkeypatch.setattr(serve, "EngineKeeper", Keeper)
+    monkeypatch.setattr(engine_host, "EngineKeeper", Keeper)
     spec = types.SimpleNamespace(index=3, node=1)
     with pytest.raises(ValueError, match=KEY_VAR):
-        serve.serve([spec], (PUBLIC, 29501), timeout_s=1.0)
+        engine_host.serve([spec], (PUBLIC, 29501), timeout_s=1.0)
     assert not started
-    assert serve.serve([spec], ("127.0.0.1", 29501), timeout_s=1.0) == 0  # loopback: served as before
+    assert engine_host.serve([spec], ("127.0.0.1", 29501), timeout_s=1.0) == 0  # loopback: served as before
     assert started == [3]
 
 

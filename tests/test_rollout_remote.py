@@ -1,6 +1,6 @@
 """Engines on other nodes (issue 19), without a model: placement rules (``check-config``,
 ``plan``), group routing by outstanding tokens, and a ``WorkerPool`` whose worker 1 lives in an
-engine host (``rollout.serve``) reached over TCP (``rollout.remote``), supervised like a local
+engine host (``rollout.engine_host``) reached over TCP (``rollout.remote``), supervised like a local
 one: a crash is found, the worker restarted by its host, its requests re-issued, every
 request answered once; the host ends when the pool shuts down."""
 
@@ -17,8 +17,8 @@ from megatron_rl.config import ConfigError, load_config
 from megatron_rl.plan import LayoutError, plan_layout
 from megatron_rl.rollout import WorkerPool
 from megatron_rl.rollout.dispatch import _dispatch, group_of
+from megatron_rl.rollout.engine_host import serve
 from megatron_rl.rollout.remote import EngineHub
-from megatron_rl.rollout.serve import serve
 from tests.distributed import free_port
 from tests.rollout_faults import echo_response, echo_specs
 from tests.rollout_reference import request

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout import vllm_api
+from megatron_rl.rollout.backends import vllm_api
 from megatron_rl.rollout.backends.vllm_api import API_CALLS, ENGINES, RELEASES, ApiCall, engine_family
 from megatron_rl.rollout.backends.vllm_api_check import call_name, check_installed, check_source
 

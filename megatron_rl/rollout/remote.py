@@ -10,7 +10,7 @@ restarts and re-issued requests are ``Supervisor`` / ``dispatch`` code, not a se
 Connections, all opened *to* the hub (``rollout.sync_address``:``rollout.engine_port``), so
 rank 0 needs no address of any other node:
 
-- control, one per remote engine, from the engine host of its node (``rollout.serve``),
+- control, one per remote engine, from the engine host of its node (``rollout.engine_host``),
   opened once with ``HostHello``: the hub sends ``Spawn`` / ``Kill``; the host answers
   ``Exited`` when the engine's process ends. It is the worker's *sentinel*: readable when the
   process ended, or when the host (the node) is gone.

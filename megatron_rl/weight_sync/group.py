@@ -89,7 +89,7 @@ def make_group(address: GroupAddress, rank: int, *, listener: socket.socket | No
     store = dist.PrefixStore("megatron_rl/weights", store)
     if address.backend == "gloo":  # options as torch's own new_group builds them: a device on host
         options = dist.ProcessGroupGloo._Options()
-        # a worker on another node binds its pair sockets to its own address (rollout.serve --address)
+        # a worker on another node binds its pair sockets to its own address (megatron_rl serve --address: cli.serve)
         host = address.host if rank == 0 else os.environ.get("MEGATRON_RL_NODE_ADDR", address.host)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout

@@ -1,8 +1,9 @@
-"""Command line: ``python -m megatron_rl train CONFIG.yaml [a.b.c=value ...]`` (also ``replay``,
-``bench``, ``plan``, ``serve``, ``check-config``).
+"""The command line: `python -m megatron_rl train | replay | check-config | plan | bench | serve`.
 
-Launch one process per training rank with ``torchrun`` (or ``msrun`` on Ascend); a single
-process is fine for ``tp = pp = 1``. Config errors are reported before anything starts.
+``python -m megatron_rl train CONFIG.yaml [a.b.c=value ...]``; ``serve`` (a node's engine host)
+is ``cli.serve``. Launch one process per training rank with ``torchrun`` (or ``msrun`` on
+Ascend); a single process is fine for ``tp = pp = 1``. Config errors are reported before
+anything starts.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def _add_run_commands(sub) -> None:
 def _add_tool_commands(sub) -> None:
     """``bench``, ``plan``, ``serve`` and ``check-config``, each with its module's flags."""
     from megatron_rl.bench.options import add_arguments as add_bench_arguments
+    from megatron_rl.cli.serve import add_arguments as add_serve_arguments
     from megatron_rl.plan.command import add_arguments as add_plan_arguments
-    from megatron_rl.rollout.serve import add_arguments as add_serve_arguments
 
     for name, help_, config_help, add in (
         (
@@ -116,7 +117,7 @@ def _run(cfg, args: argparse.Namespace) -> int:
         return 0
     if args.command in ("serve", "plan", "bench"):
         module, function = {
-            "serve": ("megatron_rl.rollout.serve", "serve_command"),
+            "serve": ("megatron_rl.cli.serve", "serve_command"),
             "plan": ("megatron_rl.plan.command", "plan_command"),
             "bench": ("megatron_rl.bench.runner", "bench_command"),
         }[args.command]
@@ -130,7 +131,3 @@ def _run(cfg, args: argparse.Namespace) -> int:
 
     run_training(cfg, platform=args.platform, replay=args.recording if args.command == "replay" else None)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
