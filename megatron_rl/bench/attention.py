@@ -1,6 +1,6 @@
 """Shared-prompt attention measured against its reference and the K-copies layout it avoids.
 
-Used by ``tools/bench_attention.py`` (the benchmark) and ``tools/device_check.py`` (first run on
+Used by ``bench/benchmarks/attention.py`` (the benchmark) and ``tools/device_check.py`` (first run on
 a device). A ``Shape`` is a packed micro-batch of ``groups`` x ``[prompt, r_1..r_K]``; every
 method runs forward + backward of ``sum(out * w)``. ``reference`` is the ``reference`` backend in
 fp32 on the same values; baselines attend over the K-copies layout (``[prompt, r_i]`` per sample):

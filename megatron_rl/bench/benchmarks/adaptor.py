@@ -1,6 +1,6 @@
 """Overhead of the CPU adaptor patches (platform/patches) on a megatron forward+backward.
 
-    python tools/bench_adaptor.py
+    python -m megatron_rl bench adaptor
 
 megatron-core cannot run unpatched on a CPU-only torch build, so there is no unpatched run to
 time against. Instead this profiles forward+backward steps of a small model and attributes
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import tempfile
 import time
@@ -57,12 +56,15 @@ def _profile(step, steps: int) -> tuple[float, float, float]:
     return total, adaptor, sum(n for n, _ in own) / steps
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: sequence length, batch, timed steps."""
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Profile forward+backward steps; the share of their time spent in the platform patches."""
     torch.set_num_threads(1)
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs
@@ -78,19 +80,11 @@ def main(argv=None) -> None:
 
     step()  # warm-up: the proxy caches attributes on first access
     total, adaptor, calls = _profile(step, args.steps)
-    print(
-        json.dumps(
-            {
-                "step_s": round(total, 4),
-                "adaptor_s": round(adaptor, 6),
-                "adaptor_fraction": round(adaptor / total, 6),
-                "adaptor_calls": calls,
-                "tp": 1,
-                "tokens": ids.numel(),
-            }
-        )
-    )
-
-
-if __name__ == "__main__":
-    main()
+    return {
+        "step_s": round(total, 4),
+        "adaptor_s": round(adaptor, 6),
+        "adaptor_fraction": round(adaptor / total, 6),
+        "adaptor_calls": calls,
+        "tp": 1,
+        "tokens": ids.numel(),
+    }

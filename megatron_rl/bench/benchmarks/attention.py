@@ -1,8 +1,8 @@
 """Shared-prompt attention backends: error against the reference and speed against per-sample
 attention on the same useful work. One JSON line.
 
-    python tools/bench_attention.py                     # CUDA: triton + flex, bf16, a realistic shape
-    python tools/bench_attention.py --device cpu        # tiny, Triton under TRITON_INTERPRET=1 (tests)
+    python -m megatron_rl bench attention                 # CUDA: triton + flex, bf16, a realistic shape
+    python -m megatron_rl bench attention --device cpu    # tiny, Triton under TRITON_INTERPRET=1 (tests)
 
 Each backend (``megatron_rl.attention``: ``triton``, ``flex``) runs forward + backward of
 ``sum(out * w)`` on a packed micro-batch of ``--groups`` groups ``[prompt, r_1..r_K]``; its output
@@ -21,15 +21,15 @@ wrong in the interpreter (STACK-NOTES). CPU FlexAttention is forward-only and is
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
 from megatron_rl.bench.attention import (
     Attn,
+    Inputs,
     Shape,
     flash_varlen,
     fwd_bwd,
@@ -42,8 +42,8 @@ from megatron_rl.bench.attention import (
 )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: device, shape, dtype, block, repeats (unset: the device's default)."""
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--groups", type=int, default=None, help="groups per micro-batch (CUDA 8, CPU 2)")
     p.add_argument("--lp", type=int, default=None, help="prompt length (CUDA 1024, CPU 12)")
@@ -56,7 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=None, help="triton block edge (CUDA 64, CPU 16)")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions (CUDA 20, CPU 1)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def _defaults(args: argparse.Namespace, cuda: bool) -> tuple[Shape, torch.dtype, int, int]:
@@ -83,53 +82,83 @@ def backends(device: torch.device, block: int) -> dict[str, Attn | str]:
     return out
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
+    """Check and time every shared-prompt backend and the K-copies baselines; the report."""
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the triton backend, lazily)
     shape, dtype, block, repeats = _defaults(args, cuda)
-    layout, scale, useful = shape.layout(), 1.0 / math.sqrt(shape.d), shape.useful_flop()
-    x = make_inputs(shape, dtype, device, seed=args.seed)
-    ref_out, ref_grads = reference(shape, x, scale)
+    case = _Case(shape=shape, x=make_inputs(shape, dtype, device, seed=args.seed), repeats=repeats, device=device)
     report: dict = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "interpreted": not cuda,
         "dtype": str(dtype).removeprefix("torch."),
         "shape": asdict(shape),
-        "tokens": layout.total_tokens,
+        "tokens": case.layout.total_tokens,
         "block": block,
-        "useful_tflop": useful / 1e12,
-        "backends": {},
-        "baselines": {},
+        "useful_tflop": case.useful / 1e12,
     }
-    for name, fn in backends(device, block).items():
+    report["backends"] = _check_backends(case, backends(device, block))
+    report["baselines"] = _time_baselines(case, cuda=cuda, dtype=dtype)
+    return report
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One packed micro-batch to run every method on: its shape, inputs, and how to time it."""
+
+    shape: Shape
+    x: Inputs
+    repeats: int
+    device: torch.device
+
+    @property
+    def layout(self):
+        return self.shape.layout()
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.shape.d)
+
+    @property
+    def useful(self) -> float:
+        return self.shape.useful_flop()
+
+
+def _check_backends(case: _Case, found: dict[str, Attn | str]) -> dict:
+    """Per shared-prompt backend: max errors against the reference, fwd+bwd ms, useful TFLOP/s."""
+    x, layout, scale = case.x, case.layout, case.scale
+    ref_out, ref_grads = reference(case.shape, x, scale)
+    out_of: dict = {}
+    for name, fn in found.items():
         if isinstance(fn, str):
-            report["backends"][name] = {"status": fn}
+            out_of[name] = {"status": fn}
             continue
         attn = (lambda f: lambda a, b, c: f(a, b, c, layout, scale))(fn)
         out, grads = fwd_bwd(attn, x.q, x.k, x.v, x.w)
         errs = {f"max_err_{key}": err for key, err in max_errors(out, grads, ref_out, ref_grads).items()}
-        ms = timed_ms(lambda a=attn: fwd_bwd(a, x.q, x.k, x.v, x.w), repeats, device)
-        report["backends"][name] = {"status": "ok", **errs, "fwd_bwd_ms": ms, "tflops": useful / ms / 1e9}
+        ms = timed_ms(lambda a=attn: fwd_bwd(a, x.q, x.k, x.v, x.w), case.repeats, case.device)
+        out_of[name] = {"status": "ok", **errs, "fwd_bwd_ms": ms, "tflops": case.useful / ms / 1e9}
+    return out_of
+
+
+def _time_baselines(case: _Case, *, cuda: bool, dtype: torch.dtype) -> dict:
+    """Per K-copies baseline (per-sample SDPA, flash-attn varlen): fwd+bwd ms and useful TFLOP/s."""
+    shape, x = case.shape, case.x
     index = sample_index(shape)
-    w_copies = torch.randn(sum(len(i) for i in index), shape.hq, shape.d, device=device)
-    flash = flash_varlen(index, scale)
+    w_copies = torch.randn(sum(len(i) for i in index), shape.hq, shape.d, device=case.device)
+    flash = flash_varlen(index, case.scale)
     if flash is not None and (not cuda or dtype == torch.float32):
         flash = "skipped: flash-attn needs CUDA and bf16 / fp16"
+    out_of: dict = {}
     for name, fn in (
-        ("sdpa_per_sample", per_sample_sdpa(index, scale)),
+        ("sdpa_per_sample", per_sample_sdpa(index, case.scale)),
         ("flash_attn_varlen", flash if flash is not None else "skipped: flash-attn is not installed"),
     ):
         if isinstance(fn, str):
-            report["baselines"][name] = {"status": fn}
+            out_of[name] = {"status": fn}
             continue
-        ms = timed_ms(lambda f=fn: fwd_bwd(f, x.q, x.k, x.v, w_copies), repeats, device)
-        report["baselines"][name] = {"status": "ok", "fwd_bwd_ms": ms, "tflops": useful / ms / 1e9}
-    print(json.dumps(report), flush=True)
-    return report
-
-
-if __name__ == "__main__":
-    main()
+        ms = timed_ms(lambda f=fn: fwd_bwd(f, x.q, x.k, x.v, w_copies), case.repeats, case.device)
+        out_of[name] = {"status": "ok", "fwd_bwd_ms": ms, "tflops": case.useful / ms / 1e9}
+    return out_of

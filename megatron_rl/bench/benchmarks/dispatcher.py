@@ -1,7 +1,7 @@
 """Rank 0's dispatcher alone, at fleet scale: fake engines, fake replicas, realistic lengths.
 
-    python tools/bench_dispatcher.py [--replicas 64] [--engines 16] [--prompts 128] [--group-size 16]
-                                     [--steps 2] [--reward-ms 0] [--reward-workers 0]
+    python -m megatron_rl bench dispatcher [--replicas 64] [--engines 16] [--prompts 128] [--group-size 16]
+                                               [--steps 2] [--reward-ms 0] [--reward-workers 0]
 
 What global rank 0 does per step, for real (``Pipeline`` + producer thread + ``StepBatch``
 routing and cutting + ``make_micro_batch`` packing + the dispatcher thread + pickling every
@@ -16,7 +16,7 @@ by a ``rewards.RewardPool``). Prints one JSON line:
     groups_per_s, mb_per_s (MB shipped to other replicas per second), rank0_cpu_s_per_step
     (process CPU seconds, every thread), step_s, tokens_per_step, rank0_cpu_s_per_1m_tokens,
     shipped_mb_per_1m_tokens / with_samples_mb_per_1m_tokens (a micro-batch shipped without /
-    with its Sample records: before and after ``rl_step.shipped``), pack_s_per_1m_tokens,
+    with its Sample records: before and after ``replica.shipped``), pack_s_per_1m_tokens,
     pickle_s_per_1m_tokens (and with_samples_pickle_s_per_1m_tokens): CPU seconds of the threads
     doing it, so a loaded machine inflates step_s but hardly these.
 """
@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import pickle
 import random
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,11 +36,11 @@ from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
 from megatron_rl.pipeline import records as records_mod
 from megatron_rl.rollout.types import GenerationResult, SamplingSettings
 from megatron_rl.trainer.loop import run_step
-from megatron_rl.trainer.rl_step import shipped
+from megatron_rl.trainer.replica import shipped
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: fleet size, workload shape, steps, reward cost."""
     p.add_argument("--replicas", type=int, default=64)
     p.add_argument("--engines", type=int, default=16)
     p.add_argument("--prompts", type=int, default=128, help="prompts per step")
@@ -55,7 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reward-ms", type=float, default=0.0, help="CPU cost of one reward call")
     p.add_argument("--reward-workers", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def busy_reward(record, text: str) -> float:
@@ -159,7 +156,7 @@ class FakeReplicas:
 
     def samples_factors(self) -> tuple[float, float]:
         """(bytes, pickling seconds) of the kept micro-batches shipped with their Sample records,
-        over the same shipped without them (``rl_step.shipped``): the cost before / after."""
+        over the same shipped without them (``replica.shipped``): the cost before / after."""
         sizes, seconds = [0, 0], [0.0, 0.0]
         for mb in self.kept:
             for i, message in enumerate((mb, shipped(mb))):
@@ -195,6 +192,7 @@ def _timed_packing():
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Drive the pipeline and dispatcher over the fake fleet; the figures."""
     fleet, pack_s = FakeFleet(args), _timed_packing()
     reward = busy_reward
     if args.reward_workers:
@@ -215,16 +213,40 @@ def run(args: argparse.Namespace) -> dict:
         num_steps=args.steps,
         replicas=args.replicas,
     )
-    replicas, cpu, wall, tokens = FakeReplicas(fleet), 0.0, 0.0, 0
+    replicas = FakeReplicas(fleet)
+    cpu, wall, tokens = _run_steps(pipe, replicas, args)
+    if args.reward_workers:
+        reward.close()
+    clock = _Clock(cpu=cpu - fleet.prepare_cpu_s, wall=wall - fleet.prepare_wall_s, tokens=tokens, pack_s=pack_s[0])
+    return _report(args, replicas, clock)
+
+
+def _run_steps(pipe, replicas: FakeReplicas, args: argparse.Namespace) -> tuple[float, float, int]:
+    """Run ``args.steps`` steps of ``pipe`` into ``replicas``: (rank-0 CPU s, wall s, tokens trained)."""
+    cpu, wall, tokens = 0.0, 0.0, 0
     with pipe:
         for _ in range(args.steps):
             c0, w0 = time.process_time(), time.perf_counter()
             summary, _ = run_step(pipe, replicas)
             cpu, wall = cpu + time.process_time() - c0, wall + time.perf_counter() - w0
             tokens += summary.trained_response_tokens + summary.trained_groups * args.prompt_len
-    if args.reward_workers:
-        reward.close()
-    cpu, wall = cpu - fleet.prepare_cpu_s, wall - fleet.prepare_wall_s
+    return cpu, wall, tokens
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """What the steps cost rank 0: CPU and wall seconds (engine preparation taken off), tokens
+    trained, CPU seconds spent packing micro-batches."""
+
+    cpu: float
+    wall: float
+    tokens: int
+    pack_s: float
+
+
+def _report(args: argparse.Namespace, replicas: FakeReplicas, clock: _Clock) -> dict:
+    """The JSON line's figures."""
+    cpu, wall, tokens = clock.cpu, clock.wall, clock.tokens
     bytes_factor, pickle_factor = replicas.samples_factors()
     per_m = 1e6 / max(tokens, 1)
     return {
@@ -241,18 +263,9 @@ def run(args: argparse.Namespace) -> dict:
         "rank0_cpu_s_per_1m_tokens": cpu * per_m,
         "shipped_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m,
         "with_samples_mb_per_1m_tokens": replicas.shipped_bytes / 1e6 * per_m * bytes_factor,
-        "pack_s_per_1m_tokens": pack_s[0] * per_m,
+        "pack_s_per_1m_tokens": clock.pack_s * per_m,
         "pickle_s_per_1m_tokens": replicas.pickle_s * per_m,
         "with_samples_pickle_s_per_1m_tokens": replicas.pickle_s * per_m * pickle_factor,
         "reward_ms": args.reward_ms,
         "reward_workers": args.reward_workers,
     }
-
-
-def main(argv=None) -> int:
-    print(json.dumps(run(parse_args(argv))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Measure the training–inference mismatch of a rollout engine after one weight sync.
 
-    python tools/bench_mismatch.py --engine hf|vllm --engine-dtype float32|bfloat16 [--model DIR | --tiny]
+    python -m megatron_rl bench mismatch --engine hf|vllm --engine-dtype float32|bfloat16 [--model DIR | --tiny]
 
 Builds the trainer's megatron model (fp32, TP = PP = 1) from the checkpoint, nudges its weights
 (``--perturb``, so that only a real sync can make the engine agree), hands them to a rollout
@@ -18,7 +18,6 @@ Default model: ``.cache/models/smollm2-135m-instruct`` (``python tools/prepare_m
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -34,10 +33,10 @@ PROMPTS = (
 )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: engine and dtype, model, sampling, perturbation, sync or not."""
     from megatron_rl.config.schema import DType, EngineName
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", choices=get_args(EngineName), default="hf")
     p.add_argument("--engine-dtype", choices=get_args(DType), default="float32")
     p.add_argument("--model", default=".cache/models/smollm2-135m-instruct", help="local HF checkpoint directory")
@@ -50,7 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--perturb", type=float, default=1e-2, help="relative noise added to the trainer's weights")
     p.add_argument("--skip-sync", action="store_true", help="do not hand the weights to the engine")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def _perturb(model, scale: float, seed: int) -> None:
@@ -150,7 +148,7 @@ def _generate(args: argparse.Namespace, model_dir: Path, work: Path):
     return model, spec, results, sync_s
 
 
-def bench(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """The mismatch metrics of the engine's samples against the trainer's log-probs, as one dict."""
     import torch
 
@@ -184,12 +182,3 @@ def bench(args: argparse.Namespace) -> dict:
         "perturb": args.perturb,
         "sync_s": round(sync_s, 3),
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    print(json.dumps(bench(parse_args(argv))), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

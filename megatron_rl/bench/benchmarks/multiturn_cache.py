@@ -8,7 +8,7 @@ prompt), the same over the turns after the first only, the prompt tokens the eng
 prefill, turns, and the rollout's seconds (engine start excluded). Same seeds both times, so
 both runs sample the same trajectories up to float rounding. Prints one JSON line.
 
-    .venv/bin/python tools/bench_multiturn_cache.py [--config examples/tool_calc_smollm2/config.yaml]
+    python -m megatron_rl bench multiturn_cache [--config examples/tool_calc_smollm2/config.yaml]
         [--prompts 4] [--group 4] [--block-size N] [--kv-mib 512] [key=value ...]
 
 The ``key=value`` overrides go to the config as on ``megatron_rl train`` (e.g. the ``echo``
@@ -19,7 +19,6 @@ environment, whose every finished turn gets another: ``environment.kind=echo
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from dataclasses import replace
@@ -28,12 +27,12 @@ from megatron_rl.config import load_config
 from megatron_rl.data.sources import read_records
 from megatron_rl.environments.base import record_fields
 from megatron_rl.rollout import build_engine
-from megatron_rl.rollout.multiturn import GroupStart
 from megatron_rl.rollout.engine_wrapper import StreamRecorder
+from megatron_rl.rollout.multiturn import GroupStart
 from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings
 
 
-def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
+def _rollout(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
     """One engine with ``vllm`` options; the rollout of ``records`` x ``group`` and its figures."""
     settings = engine_settings(cfg)
     engine = build_engine(replace(settings, vllm={**settings.vllm, **vllm}))
@@ -70,18 +69,20 @@ def run(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
     }
 
 
-def main() -> None:
-    """Parse the arguments, run caching on and off, print one JSON line."""
-    from transformers import AutoTokenizer
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: config and overrides, prompts, group size, KV cache shape."""
     parser.add_argument("--config", default="examples/tool_calc_smollm2/config.yaml")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=None, help="KV block (default: vLLM's, 128 on CPU)")
     parser.add_argument("--kv-mib", type=int, default=512, help="KV cache size (MiB)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The rollout with prefix caching on and off; both settings' figures."""
+    from transformers import AutoTokenizer
+
     cfg = load_config(args.config, args.overrides)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     records = read_records(cfg.data.source, size=args.prompts, seed=cfg.data.seed, options=cfg.data.options).records
@@ -96,9 +97,5 @@ def main() -> None:
     }
     engine = {"kv_cache_memory_bytes": args.kv_mib << 20} | ({"block_size": args.block_size} if args.block_size else {})
     for name, on in (("cache_on", True), ("cache_off", False)):
-        figures[name] = run(cfg, tokenizer, records, args.group, {"enable_prefix_caching": on, **engine})
-    print(json.dumps(figures))
-
-
-if __name__ == "__main__":
-    main()
+        figures[name] = _rollout(cfg, tokenizer, records, args.group, {"enable_prefix_caching": on, **engine})
+    return figures

@@ -1,6 +1,6 @@
 """Periodic asynchrony vs the synchronous loop on the same small RL workload, in one run.
 
-    python tools/bench_pipeline.py
+    python -m megatron_rl bench pipeline
 
 A small random Llama (char tokenizer, ``megatron_rl.models.synthetic``) trained with GRPO on
 reasoning_gym arithmetic prompts; the hf engine runs in its own process pinned to core 1,
@@ -17,16 +17,14 @@ groups) + T_sync). Prints one JSON line: ``{"sync_s", "periodic_s", "gen_s", "tr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: steps, rounds, workload and model size, the two pinned cores."""
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2, help="sync/periodic pairs, interleaved (noise)")
     p.add_argument("--warmup", type=int, default=1)
@@ -37,10 +35,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--trainer-core", type=int, default=0)
     p.add_argument("--engine-core", type=int, default=1)
-    return p.parse_args(argv)
 
 
 def run_config(args, model: Path, mode: str) -> dict:
+    """The RL run's config (as a dict) in pipeline ``mode``."""
     return {
         "model": {"hf_path": str(model), "dtype": "float32"},
         "attention": {"backend": "split"},
@@ -82,8 +80,8 @@ def _step_times(args) -> dict[str, list[dict]]:
     return times
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
+    """Alternate sync and periodic runs; mean step times and the overlap efficiency."""
     os.sched_setaffinity(0, {args.trainer_core})
     import torch
 
@@ -95,28 +93,18 @@ def main(argv=None) -> None:
 
     sync_s, periodic_s = mean("sync", "time/step_s"), mean("periodic", "time/step_s")
     gen_s, train_s = mean("sync", "time/queue_wait_s"), mean("sync", "time/train_s")
-    print(
-        json.dumps(
-            {
-                "sync_s": round(sync_s, 3),
-                "periodic_s": round(periodic_s, 3),
-                "gen_s": round(gen_s, 3),
-                "train_s": round(train_s, 3),
-                "weight_sync_s": round(mean("sync", "time/weight_sync_s"), 3),
-                "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
-                "steps_timed": len(times["sync"]),
-                "rounds": args.rounds,
-                "prompts": args.prompts,
-                "group_size": args.group_size,
-                "max_new_tokens": args.max_new_tokens,
-                "model": {"hidden": args.hidden, "layers": args.layers},
-                "cores": {"trainer": args.trainer_core, "engine": args.engine_core},
-            }
-        ),
-        flush=True,
-    )
-
-
-if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    return {
+        "sync_s": round(sync_s, 3),
+        "periodic_s": round(periodic_s, 3),
+        "gen_s": round(gen_s, 3),
+        "train_s": round(train_s, 3),
+        "weight_sync_s": round(mean("sync", "time/weight_sync_s"), 3),
+        "overlap_efficiency": round((sync_s - periodic_s) / min(gen_s, train_s), 3),
+        "steps_timed": len(times["sync"]),
+        "rounds": args.rounds,
+        "prompts": args.prompts,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "model": {"hidden": args.hidden, "layers": args.layers},
+        "cores": {"trainer": args.trainer_core, "engine": args.engine_core},
+    }

@@ -1,9 +1,9 @@
 """Seconds and GB/s of one ``broadcast`` weight sync against the number of engine nodes.
 
-    python tools/bench_remote_sync.py [--model .cache/models/smollm2-135m-instruct] [--big 7b|3b|tiny|none]
+    python -m megatron_rl bench remote_sync [--model .cache/models/smollm2-135m-instruct] [--big 7b|3b|tiny|none]
 
 Layouts (one machine standing in for two nodes: node 1's engine runs in an engine host,
-``rollout.serve``, reached over TCP by the pool's ``rollout.remote.EngineHub``, exactly as on a
+``rollout.engine_host``, reached over TCP by the pool's ``rollout.remote.EngineHub``, exactly as on a
 cluster, with the sync group over loopback gloo):
 
     node0     1 engine on node 0 (rank 0's own worker)
@@ -11,7 +11,7 @@ cluster, with the sync group over loopback gloo):
     node0+1   2 engines, one per node (the broadcast reaches both)
 
 For each: the demo model's tensors (SmolLM2-135M, fp32, 0.54 GB) into ``hf`` engines (receive
-+ in-place load), and the 7B-shaped bf16 set of ``bench_weight_sync`` (15.2 GB) into workers
++ in-place load), and the 7B-shaped bf16 set of the ``weight_sync`` benchmark (15.2 GB) into workers
 that only receive (``SinkBackend``), through the ``broadcast`` transport's own sender, built
 once as the trainer builds it; the first sync is not timed. Prints one JSON line:
 ``{"demo": {layout: {"s", "gb_per_s", "gb"}}, "big": {...}, "engine_nodes": {layout: n},
@@ -22,9 +22,8 @@ of the whole sync (every engine holds the new weights at the end).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -33,24 +32,22 @@ from pathlib import Path
 LAYOUTS = {"node0": (0,), "node1": (1,), "node0+1": (0, 1)}  # the node of each engine
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: model, layouts, syncs, bucket size, the big tensor set."""
     p.add_argument("--model", default=".cache/models/smollm2-135m-instruct")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--syncs", type=int, default=3, help="syncs per layout (the first is warm-up)")
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--big", default="7b", choices=["7b", "3b", "tiny", "none"])
-    return p.parse_args(argv)
 
 
 def start_pool(specs):
     """A ``WorkerPool`` of ``specs``; those with ``node > 0`` served by an engine host thread."""
     from megatron_rl.rollout import WorkerPool
+    from megatron_rl.rollout.engine_host import serve
     from megatron_rl.rollout.remote import EngineHub
-    from megatron_rl.rollout.serve import serve
-    from tests.distributed import free_port
 
-    port, remote = free_port(), [s for s in specs if s.node]
+    port, remote = _free_port(), [s for s in specs if s.node]
     hosts = (
         [threading.Thread(target=serve, args=(remote, ("127.0.0.1", port)), kwargs={"timeout_s": 300}, daemon=True)]
         if remote
@@ -83,7 +80,15 @@ def time_layout(specs, tensors, bucket_mb: int, syncs: int) -> float:
     return rest[len(rest) // 2]
 
 
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def bench(specs_of, tensors, args) -> dict:
+    """Per layout: median seconds and GB/s of syncing ``tensors`` into the pool of ``specs_of``."""
     gb = sum(t.nbytes for _, t in tensors) / 1e9
     out = {}
     for layout in args.layouts.split(","):
@@ -92,13 +97,11 @@ def bench(specs_of, tensors, args) -> dict:
     return out
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    tools = Path(__file__).resolve().parent
-    sys.path[:0] = [str(tools), str(tools.parent)]  # SinkBackend, qwen2_tensors; tests.distributed
-    from bench_weight_sync import _settings, qwen2_tensors
+def run(args: argparse.Namespace) -> dict:
+    """Every layout with the demo model, then with the big set; the figures."""
     from safetensors.torch import load_file
 
+    from megatron_rl.bench.benchmarks.weight_sync import SINK_BACKEND, _settings, qwen2_tensors
     from megatron_rl.rollout.build import worker_specs
 
     (base,) = worker_specs(_settings("hf", args.model))
@@ -115,15 +118,11 @@ def main(argv=None) -> None:
     demo = sorted(load_file(str(Path(args.model) / "model.safetensors")).items())
     result["demo"] = bench(specs_of, demo, args)
     if args.big != "none":
-        sink = "bench_weight_sync:SinkBackend"
+        sink = SINK_BACKEND
         result["big"] = {
             "shape": f"qwen2.5-{args.big}",
             "dtype": "bfloat16",
             **bench(lambda nodes: specs_of(nodes, sink), qwen2_tensors(args.big), args),
         }
     result["loadavg_end"] = os.getloadavg()[0]
-    print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return result

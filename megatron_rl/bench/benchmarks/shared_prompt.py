@@ -1,6 +1,6 @@
 """Shared-prompt packing vs the K-copies layout: one forward+backward micro-step, side by side.
 
-    python tools/bench_shared_prompt.py --lp 1024 --lr 128 --k 8
+    python -m megatron_rl bench shared_prompt --lp 1024 --lr 128 --k 8
 
 Same tiny megatron model, same tokens. K copies: a ``[K, Lp + Lr]`` batch, causal attention
 (SDPA). Packed: ``[prompt, r_1..r_K]`` once, shared-prompt attention (``--backend``, split on
@@ -12,7 +12,6 @@ of interleaved repetitions. Prints one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -21,8 +20,8 @@ from pathlib import Path
 import torch
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: group shape, backend, model size, repeats, threads."""
     p.add_argument("--lp", type=int, default=1024, help="prompt length")
     p.add_argument("--lr", type=int, default=128, help="response length (each of K)")
     p.add_argument("--k", type=int, default=8, help="responses per prompt")
@@ -33,7 +32,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: per-core cost, least noisy)")
-    return p.parse_args(argv)
 
 
 def tiny_checkpoint(args, path: Path) -> Path:
@@ -102,8 +100,8 @@ def _median_times(model, steps: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
+    """Time one micro-step packed and as K copies; their ratios and the model's shape."""
     if args.threads:
         torch.set_num_threads(args.threads)
     from megatron_rl.models import load_model_from_hf
@@ -116,25 +114,17 @@ def main(argv=None) -> None:
     median = _median_times(model, {"packed": packed_step, "copies": copies_step}, args.repeats)
     packed_s, copies_s = median["packed"], median["copies"]
     tokens_ratio = copies.numel() / mb.num_tokens
-    print(
-        json.dumps(
-            {
-                "lp": args.lp,
-                "lr": args.lr,
-                "k": args.k,
-                "tokens_ratio": round(tokens_ratio, 3),
-                "attn_flops_ratio": round(attention_flops_ratio(args.lp, args.lr, args.k), 3),
-                "time_ratio": round(copies_s / packed_s, 3),
-                "time_ratio_over_tokens_ratio": round(copies_s / packed_s / tokens_ratio, 3),
-                "backend": args.backend,
-                "k_copies_s": round(copies_s, 4),
-                "packed_s": round(packed_s, 4),
-                "threads": torch.get_num_threads(),
-                "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
-            }
-        )
-    )
-
-
-if __name__ == "__main__":
-    main()
+    return {
+        "lp": args.lp,
+        "lr": args.lr,
+        "k": args.k,
+        "tokens_ratio": round(tokens_ratio, 3),
+        "attn_flops_ratio": round(attention_flops_ratio(args.lp, args.lr, args.k), 3),
+        "time_ratio": round(copies_s / packed_s, 3),
+        "time_ratio_over_tokens_ratio": round(copies_s / packed_s / tokens_ratio, 3),
+        "backend": args.backend,
+        "k_copies_s": round(copies_s, 4),
+        "packed_s": round(packed_s, 4),
+        "threads": torch.get_num_threads(),
+        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
+    }

@@ -1,6 +1,6 @@
 """Seconds and GB/s of one weight sync, trainer process -> engine worker processes.
 
-    python tools/bench_weight_sync.py [--model .cache/models/smollm2-135m-instruct] [--big 7b|3b|none]
+    python -m megatron_rl bench weight_sync [--model .cache/models/smollm2-135m-instruct] [--big 7b|3b|none]
 
 Demo model (SmolLM2-135M, fp32, ~0.54 GB): for each engine (``hf``, ``vllm`` when installed)
 and each ``rollout.weight_sync`` transport (``megatron_rl.weight_sync.TRANSPORTS``), ``--syncs``
@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,15 +41,17 @@ SHAPES = {
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+SINK_BACKEND = f"{__name__}:SinkBackend"  # the worker backend path of ``SinkBackend``
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: model, engines, syncs, bucket size, the big tensor set."""
     p.add_argument("--model", default=".cache/models/smollm2-135m-instruct")
     p.add_argument("--engines", default="hf,vllm", help="comma-separated ('' for none); vllm is skipped if absent")
     p.add_argument("--syncs", type=int, default=4, help="syncs per path (the first is warm-up)")
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--big", default="7b", choices=[*SHAPES, "none"])
     p.add_argument("--big-syncs", type=int, default=2)
-    return p.parse_args(argv)
 
 
 def qwen2_tensors(shape: str) -> list[tuple[str, torch.Tensor]]:
@@ -153,6 +153,7 @@ def time_syncs(engine, tensors, sender, syncs: int) -> list[tuple[float, float]]
 
 
 def bench_demo(args, engine_name: str) -> dict:
+    """Per transport: median and best seconds, GB/s and CPU seconds of syncing the demo model."""
     from safetensors.torch import load_file
 
     from megatron_rl.rollout import build_engine
@@ -185,6 +186,7 @@ def bench_demo(args, engine_name: str) -> dict:
 
 
 def bench_big(args) -> dict:
+    """Seconds and GB/s of the big synthetic set's bucketed broadcast into a receive-only worker."""
     from megatron_rl.rollout import WorkerPool
     from megatron_rl.rollout.build import worker_specs
 
@@ -193,7 +195,7 @@ def bench_big(args) -> dict:
     (spec,) = worker_specs(_settings("hf", args.model))
     from dataclasses import replace
 
-    pool = WorkerPool([replace(spec, backend="bench_weight_sync:SinkBackend")], max_batch_size=1)
+    pool = WorkerPool([replace(spec, backend=SINK_BACKEND)], max_batch_size=1)
     try:
         sender, seconds = _sender(pool, "broadcast", tensors, Path(tempfile.gettempdir()), args.bucket_mb), []
         for version in range(1, args.big_syncs + 1):
@@ -214,9 +216,8 @@ def bench_big(args) -> dict:
     }
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # SinkBackend, importable by the worker
+def run(args: argparse.Namespace) -> dict:
+    """Every engine's every transport on the demo model, then the big set; the figures."""
     result = {
         "bucket_mb": args.bucket_mb,
         "cores": len(os.sched_getaffinity(0)),
@@ -231,8 +232,4 @@ def main(argv=None) -> None:
     if args.big != "none":
         result["big"] = bench_big(args)
     result["loadavg_end"] = os.getloadavg()[0]
-    print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return result
