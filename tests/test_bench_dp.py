@@ -34,15 +34,15 @@ def _bench_rank(config: str) -> tuple[list[list[int]], dict | None]:
     """Run the train scope; the token ids of every micro-batch this rank's replica trained."""
     from megatron_rl.bench import run_bench
     from megatron_rl.config import load_config
-    from megatron_rl.trainer import rl_step
+    from megatron_rl.trainer import replica as replica_module
 
-    trained, train = [], rl_step.REPLICA_CALLS["train_micro_batch"]
+    trained, train = [], replica_module.REPLICA_CALLS["train_micro_batch"]
 
     def spy(replica, mb) -> None:
         trained.append(mb.packed.token_ids.tolist())
         train(replica, mb)
 
-    rl_step.REPLICA_CALLS["train_micro_batch"] = spy  # what the leader and every follower run
+    replica_module.REPLICA_CALLS["train_micro_batch"] = spy  # what the leader and every follower run
     result = run_bench(load_config(config, []), OPTS)
     return trained, None if result is None else dataclasses.asdict(result)
 

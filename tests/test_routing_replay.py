@@ -172,7 +172,7 @@ def test_routes_survive_dp_shipping_and_the_vllm_output():
 
     from megatron_rl.rollout.backends.vllm import _result
     from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
-    from megatron_rl.trainer.rl_step import shipped
+    from megatron_rl.trainer.replica import shipped
 
     rng = np.random.default_rng(2)
     group = _group([_sample(k, (4, 5, 6), n, rng) for k, n in enumerate((2, 4))])

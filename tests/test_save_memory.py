@@ -61,13 +61,13 @@ def _measure(path: str, out: str, tp: int, distributed: bool) -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.algorithms import LossSettings
-    from megatron_rl.config.schema import AttentionConfig, ModelConfig, ParallelConfig, TrainerConfig
+    from megatron_rl.config.schema import AttentionConfig, ModelConfig, ParallelConfig, RolloutConfig, TrainerConfig
     from megatron_rl.models import save_hf_checkpoint
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.pipeline.records import make_micro_batch
     from megatron_rl.trainer.build import TrainerSettings, build_policy_trainer
     from megatron_rl.trainer.optimizer_state import save_optimizer_state
-    from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
+    from megatron_rl.trainer.replica import Replica, ReplicaChannel, SyncSettings
 
     initialize_parallel(tp=tp, pp=1)
     settings = TrainerSettings(
@@ -89,7 +89,7 @@ def _measure(path: str, out: str, tp: int, distributed: bool) -> dict[str, int]:
         snapshot_root=Path(out) / "snapshots",
         source_dir=path,
         channel=ReplicaChannel(),
-        weight_sync="snapshot",
+        sync=SyncSettings(weight_sync="snapshot", bucket_mb=RolloutConfig().sync_bucket_mb),
     )
     calls = {
         "optimizer_state": lambda d: save_optimizer_state(trainer.optimizer, policy, spec, Path(out) / d / "opt"),

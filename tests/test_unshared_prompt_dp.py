@@ -1,6 +1,6 @@
 """``attention.shared_prompt: false`` at DP > 1.
 
-A micro-batch for another DP replica travels without its ``groups`` (``rl_step.shipped``), and
+A micro-batch for another DP replica travels without its ``groups`` (``replica.shipped``), and
 the K-copies layout was rebuilt from those groups on the receiving rank, so replica 1 raised in
 ``concat_groups([])`` at its first micro-batch. Rank 0 (the dispatcher, which holds the groups)
 now converts once, before a micro-batch is trained or sent anywhere.
@@ -67,7 +67,7 @@ class _Recorder:
 
 
 def _leader(shared_prompt: bool):
-    from megatron_rl.trainer.rl_step import LeaderReplica
+    from megatron_rl.trainer.replica import LeaderReplica
 
     rec = _Recorder(shared_prompt)
     replica = SimpleNamespace(

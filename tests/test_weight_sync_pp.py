@@ -48,7 +48,7 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.rollout import EngineSettings, build_engine
-    from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
+    from megatron_rl.trainer.replica import Replica, ReplicaChannel, SyncSettings
 
     initialize_parallel(tp=1, pp=2)
     model, spec = load_model_from_hf(hf_dir)
@@ -69,9 +69,9 @@ def pp2_sync(hf_dir: str, snapshot_root: str):
         else None
     )
     trainer = SimpleNamespace(begin_batch=lambda: None)
-    common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel, sync_bucket_mb=1)
+    common = dict(engine=engine, snapshot_root=snapshot_root, source_dir=hf_dir, channel=channel)
     replicas = {
-        mode: Replica(trainer, model, spec, weight_sync=mode, **common)
+        mode: Replica(trainer, model, spec, sync=SyncSettings(weight_sync=mode, bucket_mb=1), **common)
         for mode in ("broadcast", "snapshot", "shared_memory")
     }
     plan = (

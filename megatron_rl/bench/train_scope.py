@@ -183,7 +183,7 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     """Build the run as training does (``trainer.setup``), train ``warmup + steps`` synthetic steps
     with the loop's ``run_step``; the result on global rank 0 (else None)."""
     from megatron_rl.trainer.loop import run_step
-    from megatron_rl.trainer.rl_step import LeaderReplica, follow
+    from megatron_rl.trainer.replica import LeaderReplica, follow
     from megatron_rl.trainer.setup import build_replica, start_world
 
     plat, layout = start_world(cfg, opts.platform)

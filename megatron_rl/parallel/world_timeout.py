@@ -4,7 +4,7 @@ names it when the wait expires.
 One knob bounds every wait of a run, generation included:
 - global rank 0 waits at most ``timeout_s`` for the pipeline's next item (a group or the end of
   a step: generation and scoring); then it raises ``WorldTimeout`` and tells every other rank,
-  which raises ``WorldTimeout`` with the same reason (``rl_step.follow``);
+  which raises ``WorldTimeout`` with the same reason (``replica.follow``);
 - every process group (torch.distributed's default group, megatron-core's groups through
   ``distributed_timeout_minutes``, the host gloo groups of ``parallel.state``, the dispatch
   group of ``trainer.data_parallel``) is created with ``group_timeout(timeout_s)``: the knob

@@ -1,9 +1,9 @@
 """Rank 0 -> the leaders of the other data-parallel replicas: the replica calls, in order.
 
 At DP > 1 the loop runs on global rank 0 only (the one dispatcher: ``pipeline.dispatch`` says
-why). Each call it makes goes to its own replica (``rl_step.ReplicaChannel``) and, through a
+why). Each call it makes goes to its own replica (``replica.ReplicaChannel``) and, through a
 ``DispatchChannel``, to the leader of every other replica, which relays it to its own ranks
-(``rl_step.follow``); a micro-batch goes to the one replica ``MicroBatch.replica`` names.
+(``replica.follow``); a micro-batch goes to the one replica ``MicroBatch.replica`` names.
 
 Sends are asynchronous (``isend`` on a gloo group of the replica leaders, whatever the
 training backend: these are small pickled control messages on the CPU), so rank 0 hands a

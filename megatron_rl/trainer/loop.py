@@ -20,7 +20,7 @@ from megatron_rl.trainer.checkpoint import RunState
 from megatron_rl.trainer.dispatcher import dispatch_ahead
 from megatron_rl.trainer.metrics import EngineBusy, count_devices, format_step, step_metrics
 from megatron_rl.trainer.progress import Progress
-from megatron_rl.trainer.rl_step import LeaderReplica, follow
+from megatron_rl.trainer.replica import LeaderReplica, follow
 from megatron_rl.trainer.setup import EngineFactory, Run, build_run
 from megatron_rl.trainer.stop import NonFiniteGuard
 

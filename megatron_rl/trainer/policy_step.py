@@ -48,7 +48,7 @@ class PolicyTrainer:
     def __init__(self, *, trimodel: TriModel, ddp, optimizer, loss: LossSettings, shared_prompt: bool = True) -> None:
         self.trimodel, self.ddp, self.optimizer, self.loss = trimodel, ddp, optimizer, loss
         # attention.shared_prompt: false packs K prompt copies; rank 0 converts each micro-batch before
-        # it is trained or sent (rl_step.LeaderReplica: the groups it needs stay there), not here.
+        # it is trained or sent (replica.LeaderReplica: the groups it needs stay there), not here.
         self.shared_prompt = shared_prompt
         self.device = next(ddp.parameters()).device  # the compute device every micro-step runs on
         self._reset()

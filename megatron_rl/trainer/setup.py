@@ -33,7 +33,7 @@ from megatron_rl.trainer.data_parallel import DispatchChannel
 from megatron_rl.trainer.engine_probe import make_probe
 from megatron_rl.trainer.metrics import MetricsLogger
 from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
-from megatron_rl.trainer.rl_step import Replica, ReplicaChannel
+from megatron_rl.trainer.replica import Replica, ReplicaChannel, SyncSettings
 from megatron_rl.trainer.snapshot_root import shared_snapshot_root
 
 EngineFactory = Callable[[EngineSettings], RolloutEngine]
@@ -149,8 +149,7 @@ def build_replica(
         snapshot_root=snapshots,
         source_dir=cfg.model.hf_path,
         channel=channel,
-        weight_sync=cfg.rollout.weight_sync,
-        sync_bucket_mb=cfg.rollout.sync_bucket_mb,
+        sync=SyncSettings(weight_sync=cfg.rollout.weight_sync, bucket_mb=cfg.rollout.sync_bucket_mb),
         dispatch=dispatch,
     )
 

@@ -57,7 +57,7 @@ class StagePlace:
 
 
 class Channel(Protocol):
-    """Leader -> ranks of one replica (``trainer.rl_step.ReplicaChannel``): a host group."""
+    """Leader -> ranks of one replica (``trainer.replica.ReplicaChannel``): a host group."""
 
     group: Any  # torch.distributed process group (gloo) of the replica's ranks
     size: int

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.schema import WeightSync
 from megatron_rl.models import DecoderSpec, save_hf_checkpoint
 from megatron_rl.parallel.world_timeout import WorldTimeout, current_timeout_s, follower_timeout
 from megatron_rl.pipeline import MicroBatch
@@ -73,6 +74,14 @@ class ReplicaChannel:
         return box[0]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncSettings:
+    """How a replica hands its weights to the engines (``rollout.weight_sync``, ``rollout.sync_bucket_mb``)."""
+
+    weight_sync: WeightSync  # a ``megatron_rl.weight_sync`` transport
+    bucket_mb: int  # broadcast: tensors travel packed in flat buckets of this many MiB
+
+
 class Replica:
     """This rank's part of a model replica; see the module docstring."""
 
@@ -86,24 +95,23 @@ class Replica:
         snapshot_root: str | Path,
         source_dir: str | Path,
         channel: ReplicaChannel,
-        weight_sync: str = "snapshot",
-        sync_bucket_mb: int = 256,
+        sync: SyncSettings,
         dispatch: DispatchChannel | None = None,
     ) -> None:
-        """``weight_sync``: a ``rollout.weight_sync`` transport, its sender built here once;
-        ``dispatch``: rank 0 -> the other replicas' leaders (DP > 1), else None."""
+        """``sync``: the weight transport, its sender built here once; ``dispatch``: rank 0 -> the
+        other replicas' leaders (DP > 1), else None."""
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
         self.channel, self.dispatch = channel, dispatch
         self.sender = build_sender(
-            weight_sync,
+            sync.weight_sync,
             SenderSetup(
                 source=PolicyWeights(policy, spec, source_dir),
                 engine=engine,
                 channel=channel,
                 place=stage_place(),
                 scratch=self.snapshot_root,
-                bucket_bytes=sync_bucket_mb << 20,
+                bucket_bytes=sync.bucket_mb << 20,
             ),
         )
         self.stop = StopRequest()  # installed by the loop
