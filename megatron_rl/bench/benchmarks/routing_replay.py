@@ -1,7 +1,7 @@
 """Engine / trainer mismatch of an MoE policy with and without routing replay, side by side.
 
-    python tools/routing_replay_bench.py                       # a tiny random Qwen3-MoE (char tokenizer)
-    python tools/routing_replay_bench.py --model <hf MoE dir> --router-noise 0 0.05
+    python -m megatron_rl bench routing_replay                  # a tiny random Qwen3-MoE (char tokenizer)
+    python -m megatron_rl bench routing_replay --model <hf MoE dir> --router-noise 0 0.05
 
 The ``hf`` engine samples in ``--engine-dtype`` (bf16) from a copy of the checkpoint whose
 routers carry planted noise (``--router-noise``: Gaussian, relative to each router weight's
@@ -17,16 +17,16 @@ Runs as one torchrun rank (started by the script itself).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from megatron_rl.bench.benchmarks import relaunch_command
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: model, router noise levels, engine dtype, workload shape."""
     p.add_argument("--model", help="local HF MoE checkpoint (default: write a tiny random Qwen3-MoE)")
     p.add_argument("--router-noise", type=float, nargs="+", default=[0.0, 0.1])
     p.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -35,7 +35,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def perturbed_copy(model: str, out: Path, noise: float, seed: int) -> Path:
@@ -57,12 +56,8 @@ def perturbed_copy(model: str, out: Path, noise: float, seed: int) -> Path:
 
 def sample_groups(engine_dir: Path, args: argparse.Namespace, vocab: int):
     """One ``ScoredGroup`` per prompt, sampled by an in-process ``hf`` engine with route recording."""
-    import torch
-
-    from megatron_rl.pipeline.records import Sample, ScoredGroup
     from megatron_rl.rollout.backends.hf import HFBackend
     from megatron_rl.rollout.settings import DeviceAssignment
-    from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
     from megatron_rl.rollout.worker import WorkerSpec
 
     spec = WorkerSpec(
@@ -73,10 +68,19 @@ def sample_groups(engine_dir: Path, args: argparse.Namespace, vocab: int):
         dtype=args.engine_dtype,
         return_routed_experts=True,
     )
-    engine = HFBackend(spec)
+    results = {r.request_id: r for r in HFBackend(spec).generate(_requests(args, vocab), weight_version=0)}
+    return [_group(p, [results[f"0/{p}/{k}"] for k in range(args.group_size)]) for p in range(args.prompts)]
+
+
+def _requests(args: argparse.Namespace, vocab: int) -> list:
+    """``--prompts`` random prompts x ``--group-size`` seeded requests, ids ``0/<prompt>/<k>``."""
+    import torch
+
+    from megatron_rl.rollout.types import GenerationRequest, SamplingSettings
+
     g = torch.Generator().manual_seed(args.seed)
     prompts = [tuple(torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()) for _ in range(args.prompts)]
-    requests = [
+    return [
         GenerationRequest(
             request_id=f"0/{p}/{k}",
             prompt_ids=prompts[p],
@@ -85,36 +89,37 @@ def sample_groups(engine_dir: Path, args: argparse.Namespace, vocab: int):
         for p in range(args.prompts)
         for k in range(args.group_size)
     ]
-    results = {r.request_id: r for r in engine.generate(requests, weight_version=0)}
-    groups = []
-    for p in range(args.prompts):
-        samples = [results[f"0/{p}/{k}"] for k in range(args.group_size)]
-        groups.append(
-            ScoredGroup(
-                step=0,
-                prompt_index=p,
+
+
+def _group(p: int, samples: list):
+    """Prompt ``p``'s engine results as a kept ``ScoredGroup`` (zero rewards and advantages)."""
+    import torch
+
+    from megatron_rl.pipeline.records import Sample, ScoredGroup
+
+    return ScoredGroup(
+        step=0,
+        prompt_index=p,
+        prompt_id=str(p),
+        kept=True,
+        rewards=torch.zeros(len(samples)),
+        advantages=torch.zeros(len(samples)),
+        samples=tuple(
+            Sample(
                 prompt_id=str(p),
-                kept=True,
-                rewards=torch.zeros(len(samples)),
-                advantages=torch.zeros(len(samples)),
-                samples=tuple(
-                    Sample(
-                        prompt_id=str(p),
-                        request_id=r.request_id,
-                        index=k,
-                        prompt_ids=r.prompt_ids,
-                        response_ids=r.response_ids,
-                        behav_logprobs=r.logprobs,
-                        weight_version=0,
-                        finish_reason=r.finish_reason,
-                        reward=0.0,
-                        routed_experts=r.routed_experts,
-                    )
-                    for k, r in enumerate(samples)
-                ),
+                request_id=r.request_id,
+                index=k,
+                prompt_ids=r.prompt_ids,
+                response_ids=r.response_ids,
+                behav_logprobs=r.logprobs,
+                weight_version=0,
+                finish_reason=r.finish_reason,
+                reward=0.0,
+                routed_experts=r.routed_experts,
             )
-        )
-    return groups
+            for k, r in enumerate(samples)
+        ),
+    )
 
 
 def score(policy, groups, vocab: int, replay: bool) -> dict[str, float]:
@@ -156,8 +161,8 @@ def forwarded(packed):
     return keep
 
 
-def worker(args: argparse.Namespace) -> int:
-    """The single rank: sample, score with and without replay per noise level, print one JSON line."""
+def worker(args: argparse.Namespace) -> dict:
+    """The single rank: sample, score with and without replay per noise level; the report."""
     import torch
 
     from megatron_rl.models import load_model_from_hf
@@ -181,29 +186,19 @@ def worker(args: argparse.Namespace) -> int:
                         **score(policy, groups, spec.vocab_size, replay),
                     }
                 )
-    print(
-        json.dumps(
-            {
-                "model": args.model or "tiny random Qwen3-MoE (char tokenizer)",
-                "engine_dtype": args.engine_dtype,
-                "trainer_dtype": "float32",
-                "results": rows,
-            }
-        ),
-        flush=True,
-    )
-    return 0
+    return {
+        "model": args.model or "tiny random Qwen3-MoE (char tokenizer)",
+        "engine_dtype": args.engine_dtype,
+        "trainer_dtype": "float32",
+        "results": rows,
+    }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> dict | None:
+    """Outside torchrun: start this benchmark as one torchrun rank (it prints); inside: the rank."""
     if "LOCAL_RANK" in os.environ:
         return worker(args)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__, *argv]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
-    return subprocess.run(cmd, env=env).returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if rc := subprocess.run(relaunch_command("routing_replay", args.argv, 1), env=env).returncode:
+        raise SystemExit(rc)
+    return None

@@ -1,13 +1,15 @@
 """End-to-end throughput of the demo workload: megatron_rl variants and TRL, side by side, one run.
 
-    python tools/bench_throughput.py [--config examples/demo/config.yaml] [--steps 4] [--only a,b]
+    python -m megatron_rl bench throughput [--config examples/demo/config.yaml] [--steps 4] [--only a,b]
 
 Each variant is a fresh process on the same machine, one after another: megatron_rl's
 ``train`` (sync / periodic; shared-prompt packing on / off; vllm / hf engine; the trainer and
 the engine on all cores or split one core each), then TRL's ``GRPOTrainer`` on the same
-workload with the same total threads (``tools/trl_peer.py``). The first step of every run is
-warm-up and not counted. Prints a table and one JSON line: each run's completion tokens/s
-(completion tokens of the measured steps / their wall seconds), s/step, and ``ratio_to_trl``.
+workload with the same total threads (the ``trl_peer`` benchmark; needs TRL). The first step
+of every run is warm-up and not counted. Every run starts in the current directory (relative
+paths in the config are read from there). Prints a table (stderr) and one JSON line: each run's
+completion tokens/s (completion tokens of the measured steps / their wall seconds), s/step, and
+``ratio_to_trl``; the exit status is 1 if a run failed.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+import megatron_rl
+from megatron_rl.bench.benchmarks import BenchmarkFailed
+
 PY = sys.executable
+PACKAGE_ROOT = str(Path(megatron_rl.__file__).resolve().parents[1])  # on each run's PYTHONPATH
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,8 @@ def run_megatron_rl(v: Variant, config: str, steps: int, extra: list[str]) -> di
         f"trainer.steps={steps}",
         f"trainer.log_dir={log_dir}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(v.threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(v.threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": PACKAGE_ROOT}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()][1:]
@@ -95,10 +100,11 @@ def run_megatron_rl(v: Variant, config: str, steps: int, extra: list[str]) -> di
 
 
 def run_trl(config: str, steps: int, extra: list[str], threads: int) -> dict:
-    """TRL's GRPOTrainer on the same workload (``tools/trl_peer.py``), ``threads`` torch threads."""
-    cmd = [PY, str(REPO / "tools" / "trl_peer.py"), config, *extra, "--steps", str(steps), "--threads", str(threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    """TRL's GRPOTrainer on the same workload (the ``trl_peer`` benchmark), ``threads`` torch threads."""
+    peer = [PY, "-m", "megatron_rl", "bench", "trl_peer", config, *extra]
+    cmd = [*peer, "--steps", str(steps), "--threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": PACKAGE_ROOT}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": f"exit {out.returncode}: {out.stderr[-1500:]}"}
     peer = json.loads(out.stdout.strip().splitlines()[-1])
@@ -118,21 +124,39 @@ def summarize(step_s: list[float], tokens: list[float], **more) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: config and overrides, steps, cores, which runs."""
     p.add_argument("--config", default="examples/demo/config.yaml")
     p.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="cores every run may use")
     p.add_argument("--only", default="", help="comma-separated variant names (and/or 'trl') to run")
     p.add_argument("overrides", nargs="*", help="a.b=c overrides applied to every run (TRL's too)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every chosen run, one after another; their figures (``BenchmarkFailed`` if one failed)."""
     model = Path(yaml.safe_load(Path(args.config).read_text())["model"]["hf_path"])
-    if not (REPO / model / "config.json").exists() and not (model / "config.json").exists():
-        p.error(
-            f"{args.config}: model.hf_path {model} holds no checkpoint; for the demo run `make demo` or "
-            f"`python tools/prepare_model.py --out {model} --dtype float32` first"
+    if not (model / "config.json").exists():
+        print(
+            f"megatron_rl bench throughput: {args.config}: model.hf_path {model} holds no checkpoint; for the "
+            f"demo run `make demo` or `python tools/prepare_model.py --out {model} --dtype float32` first",
+            file=sys.stderr,
         )
-    chosen = set(filter(None, args.only.split(",")))
+        raise SystemExit(2)
+    results = _run_all(args, set(filter(None, args.only.split(","))))
+    trl = results.get("trl_grpo_trainer", {}).get("completion_tokens_per_s")
+    for r in results.values():
+        if trl and "completion_tokens_per_s" in r:
+            r["ratio_to_trl"] = r["completion_tokens_per_s"] / trl
+    _print_table(results)
+    line = {"bench": "throughput", "config": args.config, "steps": args.steps, "cores": args.cores, "runs": results}
+    if any("error" in r for r in results.values()):
+        raise BenchmarkFailed(line)
+    return line
+
+
+def _run_all(args: argparse.Namespace, chosen: set[str]) -> dict[str, dict]:
+    """The megatron_rl variants in ``chosen`` (all if empty), then TRL; each run's figures by name."""
     results: dict[str, dict] = {}
     for v in variants(args.cores):
         if not chosen or v.name in chosen:
@@ -141,10 +165,11 @@ def main(argv=None) -> int:
     if not chosen or "trl" in chosen:
         results["trl_grpo_trainer"] = run_trl(args.config, args.steps, args.overrides, args.cores)
         print(f"trl: {results['trl_grpo_trainer']}", file=sys.stderr, flush=True)
-    trl = results.get("trl_grpo_trainer", {}).get("completion_tokens_per_s")
-    for r in results.values():
-        if trl and "completion_tokens_per_s" in r:
-            r["ratio_to_trl"] = r["completion_tokens_per_s"] / trl
+    return results
+
+
+def _print_table(results: dict[str, dict]) -> None:
+    """Completion tokens/s, s/step and the ratio to TRL per run, on stderr."""
     print(f"{'run':32s} {'compl tok/s':>12s} {'s/step':>8s} {'ratio':>6s}", file=sys.stderr)
     for name, r in results.items():
         print(
@@ -152,14 +177,3 @@ def main(argv=None) -> int:
             f"{r.get('s_per_step', float('nan')):8.1f} {r.get('ratio_to_trl', float('nan')):6.2f}",
             file=sys.stderr,
         )
-    print(
-        json.dumps(
-            {"bench": "throughput", "config": args.config, "steps": args.steps, "cores": args.cores, "runs": results}
-        ),
-        flush=True,
-    )
-    return 0 if all("error" not in r for r in results.values()) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

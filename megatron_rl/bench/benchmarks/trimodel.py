@@ -1,6 +1,6 @@
 """Time one tri-model micro-step against three separate passes, and the two proximal modes.
 
-    python tools/bench_trimodel.py [--model <hf dir>] [--pp 2] [--tp 1]
+    python -m megatron_rl bench trimodel [--model <hf dir>] [--pp 2] [--tp 1]
 
 Starts its own ``tp * pp`` ranks (torchrun; gloo on CPU), builds policy / old / ref (random
 tiny Qwen3-like decoders, or ``--model`` loaded three times) and packs random groups into
@@ -21,16 +21,16 @@ Times are per micro-step, the slowest rank's. Rank 0 prints one JSON line:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
+from megatron_rl.bench.benchmarks import relaunch_command
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: model, parallel layout, micro-batch shape, backend, repeats."""
     p.add_argument("--model", default=None, help="local HF checkpoint dir; default: a random tiny decoder")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=2)
@@ -44,22 +44,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="split")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
-def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    """Re-run this script under torchrun with tp * pp ranks; rank 0 prints the JSON line."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.tp * args.pp}",
-        __file__,
-        *argv,
-    ]
+def run(args: argparse.Namespace) -> dict | None:
+    """Outside torchrun: start ``tp * pp`` ranks of this benchmark (rank 0 prints); inside: one rank."""
+    if "LOCAL_RANK" in os.environ:
+        return worker(args)
+    cmd = relaunch_command("trimodel", args.argv, args.tp * args.pp)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
-    return subprocess.run(cmd, env=env).returncode
+    if rc := subprocess.run(cmd, env=env).returncode:
+        raise SystemExit(rc)
+    return None
 
 
 def _models(args, tp: int, pp: int):
@@ -90,6 +85,7 @@ def _models(args, tp: int, pp: int):
 
 
 def _micro_batches(args, vocab: int):
+    """``--groups`` random groups packed into micro-batches of ``--token-budget`` tokens."""
     import torch
 
     from megatron_rl.attention.packing import TokenGroup, pack_groups
@@ -167,8 +163,8 @@ def _loglinear_step(inputs: list[tuple]) -> None:
         loglinear_proximal_logp(behav, logp, versions, 5, mask)
 
 
-def worker(args: argparse.Namespace) -> int:
-    """One rank: alternate fused / separate micro-steps and the two proximal modes; rank 0 reports."""
+def worker(args: argparse.Namespace) -> dict | None:
+    """One rank: alternate fused / separate micro-steps and the two proximal modes; rank 0's report."""
     import torch
     import torch.distributed as dist
 
@@ -193,6 +189,7 @@ def worker(args: argparse.Namespace) -> int:
         "prox_recompute_s": lambda: _separate_step([old], mbs, vocab, train_first=False),
     }
     times = _median_times(steps, args.repeats, policy)
+    out = None
     if dist.get_rank() == 0:
         out = {**times, "ratio": times["fused_s"] / times["separate_s"]}
         out.update(
@@ -205,9 +202,8 @@ def worker(args: argparse.Namespace) -> int:
             model=args.model or f"random qwen3 {args.layers}x{args.hidden}",
             threads=torch.get_num_threads(),
         )
-        print(json.dumps(out), flush=True)
     dist.barrier()
-    return 0
+    return out
 
 
 def _median_times(steps: dict, repeats: int, policy) -> dict[str, float]:
@@ -222,15 +218,3 @@ def _median_times(steps: dict, repeats: int, policy) -> dict[str, float]:
             if rep:
                 times[key].append(t)
     return {k: statistics.median(v) for k, v in times.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:
-        return launch(args, argv)
-    return worker(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
-"""The peer run of ``tools/bench_throughput.py``: TRL's ``GRPOTrainer`` on a megatron_rl config's workload.
+"""TRL's ``GRPOTrainer`` on a megatron_rl config's workload: the peer run of the ``throughput`` benchmark.
 
-    python tools/trl_peer.py CONFIG [a.b=c ...] --steps 4 --threads 2
+    python -m megatron_rl bench trl_peer CONFIG [a.b=c ...] --steps 4 --threads 2
 
 Same model (``model.hf_path``, in ``model.dtype``), the same prompts (``data``: source, options,
 instruction, chat template, through megatron_rl's own loader), the same reward function
@@ -8,21 +8,16 @@ instruction, chat template, through megatron_rl's own loader), the same reward f
 completion length, sampling temperature / top-p, learning rate, clip range, grad clip, loss
 aggregation (``grpo``: per-sequence mean) and no KL. Generation is TRL's own (transformers
 ``generate``, no vLLM). Prints one JSON line: per-step wall seconds and completion tokens.
+Needs TRL (the ``test`` extra), imported only when the benchmark runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def build_dataset(cfg):
@@ -67,13 +62,54 @@ class StepClock:
         return _Callback()
 
 
-def run(cfg, *, steps: int) -> dict:
-    """Train ``steps`` TRL GRPO steps on ``cfg``'s workload; per-step seconds and completion tokens."""
-    from trl import GRPOConfig, GRPOTrainer
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: config and overrides, steps, torch threads."""
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores)")
 
-    from megatron_rl.trainer.from_config import reward_fn
+
+def run(args: argparse.Namespace) -> dict:
+    """Load the config and train TRL on its workload; per-step seconds and completion tokens."""
+    torch.set_num_threads(args.threads)
+    from megatron_rl.config import load_config
+
+    return train_trl(load_config(args.config, args.overrides), steps=args.steps)
+
+
+def train_trl(cfg, *, steps: int) -> dict:
+    """Train ``steps`` TRL GRPO steps on ``cfg``'s workload; per-step seconds and completion tokens."""
+    from trl import GRPOTrainer
 
     dataset, records, tokenizer = build_dataset(cfg)
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=cfg.model.hf_path,
+        reward_funcs=_reward(cfg, records),
+        args=grpo_config(cfg, steps=steps),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock.callback()],
+    )
+    clock.marks = [time.perf_counter()]
+    trainer.train()
+    step_s = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
+    lengths = [log["completions/mean_length"] for log in clock.logs if "completions/mean_length" in log]
+    rewards = [log["reward"] for log in clock.logs if "reward" in log]
+    g, prompts = cfg.control.group_size, cfg.trainer.prompts_per_batch
+    return {
+        "step_s": step_s,
+        "completion_tokens": [m * prompts * g for m in lengths],
+        "reward": rewards,
+        "trl": __import__("trl").__version__,
+    }
+
+
+def _reward(cfg, records):
+    """TRL's reward function: the config's ``reward.fn`` on each completion's prompt record."""
+    from megatron_rl.trainer.from_config import reward_fn
+
     score = reward_fn(cfg)
 
     def reward(completions, idx, **_):
@@ -82,8 +118,15 @@ def run(cfg, *, steps: int) -> dict:
             for c, i in zip(completions, idx, strict=True)
         ]
 
+    return reward
+
+
+def grpo_config(cfg, *, steps: int):
+    """TRL's ``GRPOConfig`` matching ``cfg``: batch, sampling, optimizer, clip, loss, no KL."""
+    from trl import GRPOConfig
+
     g, prompts, s = cfg.control.group_size, cfg.trainer.prompts_per_batch, cfg.rollout.sampling
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_peer_"),
         use_cpu=True,
         bf16=False,
@@ -115,41 +158,3 @@ def run(cfg, *, steps: int) -> dict:
         dataloader_num_workers=0,
         model_init_kwargs={"dtype": getattr(torch, cfg.model.dtype)},
     )
-    clock = StepClock()
-    trainer = GRPOTrainer(
-        model=cfg.model.hf_path,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[clock.callback()],
-    )
-    clock.marks = [time.perf_counter()]
-    trainer.train()
-    step_s = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)]
-    lengths = [log["completions/mean_length"] for log in clock.logs if "completions/mean_length" in log]
-    rewards = [log["reward"] for log in clock.logs if "reward" in log]
-    return {
-        "step_s": step_s,
-        "completion_tokens": [m * prompts * g for m in lengths],
-        "reward": rewards,
-        "trl": __import__("trl").__version__,
-    }
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from megatron_rl.config import load_config
-
-    print(json.dumps(run(load_config(args.config, args.overrides), steps=args.steps)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
