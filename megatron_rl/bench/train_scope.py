@@ -182,7 +182,6 @@ def trained_shapes(mb: MicroBatch) -> list[GroupShape]:
 def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
     """Build the run as training does (``trainer.setup``), train ``warmup + steps`` synthetic steps
     with the loop's ``run_step``; the result on global rank 0 (else None)."""
-    from megatron_rl.trainer.loop import run_step
     from megatron_rl.trainer.replica import LeaderReplica, follow
     from megatron_rl.trainer.setup import build_replica, start_world
 
@@ -192,22 +191,11 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
         follow(replica)
         _remove(replica.snapshot_root)
         return None
-    leader, spec = ShapeRecorder(LeaderReplica(replica)), replica.spec
-    steps = SyntheticSteps(cfg, SyntheticGroups.from_config(cfg, opts, spec.vocab_size), replicas=layout.dp)
-    frozen, measured = len(replica.trainer.trimodel.plan.active) - 1, []
+    leader = ShapeRecorder(LeaderReplica(replica))
+    steps = SyntheticSteps(cfg, SyntheticGroups.from_config(cfg, opts, replica.spec.vocab_size), replicas=layout.dp)
+    frozen = len(replica.trainer.trimodel.plan.active) - 1
     try:
-        for _ in range(opts.warmup + opts.steps):
-            steps.prepare()
-            _, step_s = run_step(steps, leader)
-            shapes, (_, seconds) = leader.pop_shapes(), replica.pop_results()
-            measured.append(
-                StepMeasure(
-                    step_s=step_s,
-                    phases=seconds,
-                    groups=shapes,
-                    flops=training_flops(spec, shapes, frozen_forwards=frozen),
-                )
-            )
+        measured = [_measured_step(steps, leader, replica, frozen) for _ in range(opts.warmup + opts.steps)]
     finally:
         leader.leader.stop_followers()
         _remove(replica.snapshot_root)
@@ -232,6 +220,17 @@ def run_train_scope(cfg: Config, opts: BenchOptions) -> BenchResult | None:
         config=config_to_dict(cfg),
         extra={"frozen_forwards": float(frozen)},
     )
+
+
+def _measured_step(steps: SyntheticSteps, leader: ShapeRecorder, replica, frozen: int) -> StepMeasure:
+    """One synthetic step through the loop's ``run_step``: its seconds, phases, group shapes, FLOPs."""
+    from megatron_rl.trainer.loop import run_step
+
+    steps.prepare()
+    _, step_s = run_step(steps, leader)
+    shapes, (_, seconds) = leader.pop_shapes(), replica.pop_results()
+    flops = training_flops(replica.spec, shapes, frozen_forwards=frozen)
+    return StepMeasure(step_s=step_s, phases=seconds, groups=shapes, flops=flops)
 
 
 def _quiet(cfg: Config) -> Config:

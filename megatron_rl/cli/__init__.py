@@ -16,6 +16,12 @@ import warnings
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, load and validate the config, run the command; the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # a named benchmark (or --list) takes no config: its own flags
+        from megatron_rl.bench.benchmarks import bench_main, is_benchmark_command
+
+        if is_benchmark_command(argv[1:]):
+            return bench_main(argv[1:])
     args = _parse_args(argv)
     # megatron-core warns at import that Apex / Transformer Engine are absent (expected off CUDA).
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
@@ -74,7 +80,8 @@ def _add_tool_commands(sub) -> None:
     for name, help_, config_help, add in (
         (
             "bench",
-            "measure throughput: e2e loop, trainer alone or engines alone (JSON line)",
+            "measure throughput: e2e loop, trainer alone or engines alone (JSON line); "
+            "'bench <name> [args]' runs a named benchmark, 'bench --list' names them",
             "YAML config file (see examples/)",
             add_bench_arguments,
         ),

@@ -40,7 +40,7 @@ def benchmark_names() -> list[str]:
 def describe(name: str) -> str:
     """The first paragraph of benchmark ``name``'s docstring, on one line (read without importing it)."""
     doc = ast.get_docstring(ast.parse((_HERE / f"{name}.py").read_text())) or ""
-    return " ".join(doc.split("\n\n")[0].split())
+    return " ".join(doc.split("\n\n")[0].replace("``", "").split())
 
 
 def list_benchmarks() -> str:
