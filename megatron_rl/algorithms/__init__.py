@@ -22,6 +22,7 @@ from megatron_rl.algorithms.correction import (
 )
 from megatron_rl.algorithms.dapo import dynamic_sampling_keep, overlong_reward_delta
 from megatron_rl.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_estimate
+from megatron_rl.algorithms.loss_table import LOSSES, LossEntry, loss_entry
 from megatron_rl.algorithms.losses import (
     LOSS_KINDS,
     PROXIMAL_MODES,
@@ -44,6 +45,7 @@ __all__ = [
     "ADVANTAGE_SCALES",
     "CORRECTION_MODES",
     "KL_ESTIMATORS",
+    "LOSSES",
     "LOSS_KINDS",
     "MAX_FIELDS",
     "PROXIMAL_MODES",
@@ -52,6 +54,7 @@ __all__ = [
     "BehaviourWeight",
     "CorrectionMode",
     "KLEstimator",
+    "LossEntry",
     "LossKind",
     "LossMetrics",
     "LossOutput",
@@ -68,6 +71,7 @@ __all__ = [
     "kl_estimate",
     "loglinear_proximal_logp",
     "loss_denominator",
+    "loss_entry",
     "overlong_reward_delta",
     "policy_loss",
     "rollout_correction",

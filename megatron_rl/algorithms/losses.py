@@ -16,6 +16,10 @@ kind                  numerator (per micro-batch)                  denominator (
 ``ppo_decoupled``     Σ ℓ·m                                        number of tokens
 ====================  ===========================================  ==========================
 
+Each row is an entry of ``loss_table.LOSSES`` (with the kind's token term: ``ppo_decoupled``'s
+ratio is taken against the proximal policy, the others' against the old one); an unknown kind
+is refused naming ``algorithm.loss``.
+
 ``loss_denominator`` gives a micro-batch's share of that denominator; it is additive, so the
 caller sums it over the batch's micro-batches and all-reduces (SUM) over DP before the first
 backward. A sequence counts if it has at least one counted token. ``bnpo`` and ``dapo`` share
@@ -56,12 +60,8 @@ from megatron_rl.algorithms.correction import (
     rollout_correction,
 )
 from megatron_rl.algorithms.kl import KLEstimator, kl_estimate
+from megatron_rl.algorithms.loss_table import Anchor, LossInputs, loss_entry
 from megatron_rl.algorithms.metrics import LossMetrics
-from megatron_rl.algorithms.proximal import (
-    BehaviourWeight,
-    behaviour_weight,
-    loglinear_proximal_logp,
-)
 from megatron_rl.config.fields import raise_found, require_values
 from megatron_rl.config.schema import AlgorithmConfig, ClipConfig, KLConfig, LossName, ProximalMode
 from megatron_rl.config.sections import clip_rule, decoupled_correction_rule
@@ -106,9 +106,9 @@ class LossSettings:
         raise_found(
             chain(clip_rule(self.clip_low, self.clip_high), decoupled_correction_rule(self.kind, self.correction.mode))
         )
-        if self.kind == "dr_grpo" and (self.max_response_len or 0) <= 0:
+        if loss_entry(self.kind).aggregation.needs_max_response_len and (self.max_response_len or 0) <= 0:
             raise ValueError(
-                f"kind='dr_grpo' needs max_response_len > 0 (rollout.sampling.max_new_tokens), "
+                f"kind={self.kind!r} needs max_response_len > 0 (rollout.sampling.max_new_tokens), "
                 f"got {self.max_response_len}"
             )
 
@@ -130,13 +130,7 @@ def loss_denominator(settings: LossSettings, mask: torch.Tensor) -> torch.Tensor
     (all-reduce SUM: int64 is among HCCL's all-reduce types, fp64 is not on a 910B), then pass
     the total to every ``policy_loss`` call of that batch.
     """
-    counted = mask.bool()
-    n_seqs = counted.any(dim=-1).sum(dtype=torch.int64)
-    if settings.kind == "grpo":
-        return n_seqs
-    if settings.kind == "dr_grpo":
-        return n_seqs * settings.max_response_len
-    return counted.sum(dtype=torch.int64)
+    return loss_entry(settings.kind).aggregation.denominator(settings, mask.bool())
 
 
 def policy_loss(
@@ -166,55 +160,62 @@ def policy_loss(
     ``compare_engine=False``: ``old_logp`` (or ``logp``) is not the policy the engine ran (a later
     mini-batch without an old copy): nothing measured (no mode ratio, metrics); δ masking still acts.
     """
-    _check_shapes(logp, mask, advantages, old_logp, ref_logp, behav_logp, versions, entropy)
-    _check_needed(settings, denominator, ref_logp, entropy)
+    inputs = LossInputs(
+        logp=logp,
+        mask=mask,
+        advantages=advantages,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        behav_logp=behav_logp,
+        versions=versions,
+        current_version=current_version,
+        entropy=entropy,
+        compare_engine=compare_engine,
+    )
+    return _micro_batch_loss(settings, inputs, denominator)
+
+
+def _micro_batch_loss(settings: LossSettings, inputs: LossInputs, denominator: torch.Tensor | float) -> LossOutput:
+    """``policy_loss`` on its inputs as one record."""
+    _check_shapes(inputs)
+    _check_needed(settings, denominator, inputs)
+    entry = loss_entry(settings.kind)
+    logp, behav_logp = inputs.logp, inputs.behav_logp
     # A NaN / inf engine log-prob is no measurement (correction.py): the token leaves the loss,
     # and the decoupled weight sees a finite stand-in there (the detached policy: weight 1), so
     # nothing non-finite reaches an exp or a gradient.
-    unusable = None if behav_logp is None else nonfinite_behav(behav_logp, mask)
+    unusable = None if behav_logp is None else nonfinite_behav(behav_logp, inputs.mask)
     finite_behav = None if behav_logp is None else torch.where(unusable, logp.detach(), behav_logp)
-    anchor, behav = _anchor_and_behaviour(settings, logp, mask, old_logp, finite_behav, versions, current_version)
-    correction = None
-    if behav_logp is not None:
-        correction = _engine_correction(
-            settings, logp, old_logp, behav_logp, advantages, mask, versions, current_version, compare_engine
-        )
-    counted = mask.bool()
-    loss_tokens = counted if behav is None else behav.kept
+    anchor = entry.token_term.anchor(settings, inputs, finite_behav)
+    correction = None if behav_logp is None else _engine_correction(settings, inputs)
+    counted = inputs.mask.bool()
+    loss_tokens = counted if anchor.behav is None else anchor.behav.kept
     if unusable is not None:
         loss_tokens = loss_tokens & ~unusable
-    terms = _token_terms(settings, logp, anchor, counted, advantages, behav, correction, ref_logp, entropy)
-    loss = _numerator(settings, terms.per_token, loss_tokens, counted) / denominator
-    metrics = _metrics(settings, terms.ratio, terms.adv, anchor, logp, loss_tokens, terms.kl_ref, entropy, behav)
+    terms = _token_terms(settings, inputs, anchor, correction)
+    masked = torch.where(loss_tokens, terms.per_token, torch.zeros_like(terms.per_token))
+    loss = entry.aggregation.numerator(masked, counted) / denominator
+    metrics = _metrics(settings, inputs, anchor, terms, loss_tokens)
     if correction is not None:
         metrics = replace(metrics, mismatch=correction.metrics)
     return LossOutput(loss=loss.to(logp.dtype), metrics=metrics)
 
 
-def _engine_correction(
-    settings: LossSettings,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    behav_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    versions: torch.Tensor | None,
-    current_version: int | None,
-    compare_engine: bool = True,
-) -> Correction:
+def _engine_correction(settings: LossSettings, inputs: LossInputs) -> Correction:
     """The rollout correction against the engine. Only tokens sampled by the weights the trainer
     holds as old_logp (staleness 0) have a same-weights comparison (the mode's ratio, the
     metrics); stale tokens (stale mode, d >= 1) get δ masking (it needs only π_θ and π_behav)
     and are otherwise left to the behaviour weight."""
-    fresh = mask.bool() & compare_engine
-    if versions is not None and current_version is not None:
-        fresh = fresh & (versions == current_version)
+    mask, versions = inputs.mask, inputs.versions
+    fresh = mask.bool() & inputs.compare_engine
+    if versions is not None and inputs.current_version is not None:
+        fresh = fresh & (versions == inputs.current_version)
     return rollout_correction(
         settings.correction,
-        trainer_logp=logp if old_logp is None else old_logp,
-        behav_logp=behav_logp,
-        logp=logp,
-        advantages=advantages,
+        trainer_logp=inputs.logp if inputs.old_logp is None else inputs.old_logp,
+        behav_logp=inputs.behav_logp,
+        logp=inputs.logp,
+        advantages=inputs.advantages,
         mask=mask,
         measured=fresh,
     )
@@ -229,134 +230,76 @@ class _TokenTerms:
 
 
 def _token_terms(
-    settings: LossSettings,
-    logp: torch.Tensor,
-    anchor: torch.Tensor,
-    counted: torch.Tensor,
-    advantages: torch.Tensor,
-    behav: BehaviourWeight | None,
-    correction: Correction | None,
-    ref_logp: torch.Tensor | None,
-    entropy: torch.Tensor | None,
+    settings: LossSettings, inputs: LossInputs, anchor: Anchor, correction: Correction | None
 ) -> _TokenTerms:
     """Clipped surrogate × behaviour weight × correction factor, + KL and entropy terms."""
-    adv = advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
+    logp, counted = inputs.logp, inputs.mask.bool()
+    adv = inputs.advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
     # Padding gets log-ratio 0 (and ref = logp below): garbage there must not reach an exp,
     # where an inf would turn the zero upstream gradient into nan.
-    ratio = torch.exp(torch.where(counted, logp - anchor, torch.zeros_like(logp)))
+    ratio = torch.exp(torch.where(counted, logp - anchor.logp, torch.zeros_like(logp)))
     clipped = torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
-    if behav is not None:
-        per_token = per_token * behav.weight
+    if anchor.behav is not None:
+        per_token = per_token * anchor.behav.weight
     if correction is not None:
-        per_token = per_token * _correction_factor(settings, correction).to(per_token.dtype)
+        factor = loss_entry(settings.kind).token_term.correction_factor(correction)
+        per_token = per_token * factor.to(per_token.dtype)
     kl_ref = None
-    if ref_logp is not None:
-        kl_ref = kl_estimate(logp, torch.where(counted, ref_logp, logp.detach()), settings.kl_estimator)
+    if inputs.ref_logp is not None:
+        kl_ref = kl_estimate(logp, torch.where(counted, inputs.ref_logp, logp.detach()), settings.kl_estimator)
     if settings.kl_coef > 0:
         per_token = per_token + settings.kl_coef * kl_ref
     if settings.entropy_coef > 0:
-        per_token = per_token - settings.entropy_coef * entropy
+        per_token = per_token - settings.entropy_coef * inputs.entropy
     return _TokenTerms(per_token=per_token, ratio=ratio, adv=adv, kl_ref=kl_ref)
 
 
-def _check_shapes(
-    logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *per_token: torch.Tensor | None
-) -> None:
+def _check_shapes(inputs: LossInputs) -> None:
+    logp = inputs.logp
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, L], got shape {tuple(logp.shape)}")
-    names = ("old_logp", "ref_logp", "behav_logp", "versions", "entropy")
-    for name, t in zip(("mask",) + names, (mask,) + per_token, strict=True):
+    names = ("mask", "old_logp", "ref_logp", "behav_logp", "versions", "entropy")
+    for name in names:
+        t = getattr(inputs, name)
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(f"advantages must be [B={logp.shape[0]}], got {tuple(advantages.shape)}")
+    if inputs.advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [B={logp.shape[0]}], got {tuple(inputs.advantages.shape)}")
 
 
-def _check_needed(
-    settings: LossSettings,
-    denominator: torch.Tensor | float,
-    ref_logp: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-) -> None:
+def _check_needed(settings: LossSettings, denominator: torch.Tensor | float, inputs: LossInputs) -> None:
     if isinstance(denominator, (int, float)) and denominator <= 0:
         raise ValueError(f"denominator must be > 0, got {denominator}")
-    if settings.kl_coef > 0 and ref_logp is None:
+    if settings.kl_coef > 0 and inputs.ref_logp is None:
         raise ValueError(f"kl_coef={settings.kl_coef} > 0 needs ref_logp")
-    if settings.entropy_coef > 0 and entropy is None:
+    if settings.entropy_coef > 0 and inputs.entropy is None:
         raise ValueError(f"entropy_coef={settings.entropy_coef} > 0 needs entropy")
-
-
-def _anchor_and_behaviour(
-    settings: LossSettings,
-    logp: torch.Tensor,
-    mask: torch.Tensor,
-    old_logp: torch.Tensor | None,
-    behav_logp: torch.Tensor | None,
-    versions: torch.Tensor | None,
-    current_version: int | None,
-) -> tuple[torch.Tensor, BehaviourWeight | None]:
-    """The detached log-probs the ratio is taken against, and the behaviour weight if any."""
-    if settings.kind != "ppo_decoupled":
-        return (logp.detach() if old_logp is None else old_logp.detach()), None
-    if behav_logp is None:
-        raise ValueError("kind='ppo_decoupled' needs behav_logp (from the rollout engine)")
-    if settings.proximal == "recompute":
-        if old_logp is None:
-            raise ValueError("proximal='recompute' needs old_logp (the proximal forward)")
-        prox = old_logp.detach()
-    else:
-        if versions is None or current_version is None:
-            raise ValueError("proximal='loglinear' needs versions and current_version")
-        prox = loglinear_proximal_logp(behav_logp, logp, versions, current_version, mask)
-    return prox, behaviour_weight(prox, behav_logp, mask, settings.behav_weight_cap)
-
-
-def _correction_factor(settings: LossSettings, correction: Correction) -> torch.Tensor:
-    """TRL's weight; for ppo_decoupled only its keep-mask (the behaviour weight is the weight)."""
-    if settings.kind == "ppo_decoupled":
-        return (~correction.dropped).to(correction.weight.dtype)
-    return correction.weight
-
-
-def _numerator(
-    settings: LossSettings, per_token: torch.Tensor, loss_tokens: torch.Tensor, counted: torch.Tensor
-) -> torch.Tensor:
-    masked = torch.where(loss_tokens, per_token, torch.zeros_like(per_token))
-    if settings.kind == "grpo":  # per-sequence token mean with the sequence's own length
-        lengths = counted.sum(dim=-1).clamp(min=1).to(per_token.dtype)
-        return (masked.sum(dim=-1) / lengths).sum()
-    return masked.sum()
 
 
 @torch.no_grad()
 def _metrics(
-    settings: LossSettings,
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    anchor: torch.Tensor,
-    logp: torch.Tensor,
-    tokens: torch.Tensor,
-    kl_ref: torch.Tensor | None,
-    entropy: torch.Tensor | None,
-    behav: BehaviourWeight | None,
+    settings: LossSettings, inputs: LossInputs, anchor: Anchor, terms: _TokenTerms, tokens: torch.Tensor
 ) -> LossMetrics:
+    """The micro-batch's statistics over ``tokens`` (those in the loss)."""
+
     def total(x: torch.Tensor) -> torch.Tensor:
         return torch.where(tokens, x, torch.zeros_like(x)).sum().float()
 
     def peak(x: torch.Tensor) -> torch.Tensor:
         return torch.where(tokens, x, torch.zeros_like(x)).max().float()
 
-    low = (ratio < 1.0 - settings.clip_low) & (adv < 0)
-    high = (ratio > 1.0 + settings.clip_high) & (adv > 0)
+    ratio, behav, entropy = terms.ratio, anchor.behav, inputs.entropy
+    low = (ratio < 1.0 - settings.clip_low) & (terms.adv < 0)
+    high = (ratio > 1.0 + settings.clip_high) & (terms.adv > 0)
     return LossMetrics(
         n_tokens=tokens.sum().float(),
         n_clip_low=total(low.to(ratio.dtype)),
         n_clip_high=total(high.to(ratio.dtype)),
         ratio_sum=total(ratio),
         ratio_max=peak(ratio),
-        approx_kl_sum=total(kl_estimate(anchor, logp.detach(), "k3")),
-        kl_ref_sum=None if kl_ref is None else total(kl_ref),
+        approx_kl_sum=total(kl_estimate(anchor.logp, inputs.logp.detach(), "k3")),
+        kl_ref_sum=None if terms.kl_ref is None else total(terms.kl_ref),
         entropy_sum=None if entropy is None else total(entropy),
         behav_weight_sum=None if behav is None else total(behav.weight),
         behav_weight_max=None if behav is None else peak(behav.weight),
