@@ -23,7 +23,7 @@ from megatron_rl.attention.reference import reference_attention
 from megatron_rl.attention.split import split_attention
 from megatron_rl.attention.triton_backend import triton_attention
 from megatron_rl.config.fields import require_values
-from megatron_rl.config.schema import AttentionBackend
+from megatron_rl.config.schema import AttentionBackend, AttentionConfig
 
 BACKENDS: tuple[str, ...] = get_args(AttentionBackend)  # the schema's attention.backend names
 
@@ -78,7 +78,8 @@ def shared_prompt_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     layout_meta: AttentionLayout,
-    backend: str = "auto",
+    *,
+    backend: str = AttentionConfig.backend,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Shared-prompt attention of a packed micro-batch.

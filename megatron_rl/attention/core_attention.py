@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megatron_rl.attention.backends import shared_prompt_attention
 from megatron_rl.attention.context import current_layout
+from megatron_rl.config.schema import AttentionConfig
 
 
 class SharedPromptCoreAttention(torch.nn.Module):
@@ -22,6 +23,7 @@ class SharedPromptCoreAttention(torch.nn.Module):
     def __init__(
         self,
         config,
+        *,
         layer_number,
         attn_mask_type,
         attention_type,
@@ -29,9 +31,10 @@ class SharedPromptCoreAttention(torch.nn.Module):
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
-        *,
-        backend: str = "auto",
+        backend: str = AttentionConfig.backend,
     ):
+        """megatron-core 0.16's ``CoreAttentionBuilder`` (``SelfAttention`` passes every argument by
+        keyword); ``backend``: ``attention.backend``, bound by ``models.builder``'s layer spec."""
         super().__init__()
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("shared-prompt attention does not implement attention dropout; set it to 0")
@@ -42,8 +45,17 @@ class SharedPromptCoreAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
 
     def forward(
-        self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        *,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
     ):
+        """[s, b, h, d] q/k/v -> [s, b, h*d]; megatron passes q, k, v and the mask by position, the rest by keyword."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("shared-prompt attention takes its layout from packed_attention(), not megatron args")
         s, b, heads, dim = query.shape

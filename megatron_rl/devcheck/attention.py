@@ -64,7 +64,7 @@ def settings(opts: CheckOptions, device: torch.device) -> tuple[bench.Shape, lis
     return (TINY, [torch.float32, torch.bfloat16], 2) if opts.quick else (FULL, [torch.float32, torch.bfloat16], 10)
 
 
-def kernel_result(name, x, ref, shape, device, repeats) -> dict:
+def kernel_result(name, x, ref, shape, *, device, repeats) -> dict:
     """Errors against the reference, time and useful TFLOP/s of one kernel on one dtype."""
     from megatron_rl.attention import shared_prompt_attention
 
@@ -81,16 +81,17 @@ def kernel_result(name, x, ref, shape, device, repeats) -> dict:
     return {"max_abs_err": errors, "ref_abs_max": ref_max, "fwd_bwd_ms": ms, "tflops": shape.useful_flop() / ms / 1e9}
 
 
-def baseline_result(fn, x, shape, index, device, repeats) -> dict:
+def baseline_result(fn, x, shape, index, *, device, repeats) -> dict:
+    """Time and useful TFLOP/s of one baseline (no error check: the baselines are not the subject)."""
     w = torch.randn(sum(len(i) for i in index), shape.hq, shape.d, device=device)
     ms = bench.timed_ms(lambda: bench.fwd_bwd(fn, x.q, x.k, x.v, w), repeats, device)
     return {"status": "pass", "fwd_bwd_ms": ms, "tflops": shape.useful_flop() / ms / 1e9}
 
 
-def guarded(fn, *args) -> dict:
-    """``fn(*args)``, or a ``fail`` with the error: one kernel's failure must not hide the next."""
+def guarded(fn, *args, **kwargs) -> dict:
+    """``fn(*args, **kwargs)``, or a ``fail`` with the error: one kernel's failure must not hide the next."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as exc:  # recorded in the report
         return {"status": "fail", "error": error_record(exc)}
 
@@ -118,7 +119,7 @@ def run_dtype(dtype, shape, device, repeats, reasons: list[str]) -> dict:
         if why := kernel_skip(name, device):
             kernels[name] = {"status": "skip", "reason": why}
             continue
-        result = guarded(kernel_result, name, x, ref, shape, device, repeats)
+        result = guarded(kernel_result, name, x, ref, shape, device=device, repeats=repeats)
         missed = judge_kernel(result, name_of)
         reasons += [f"{name} {name_of}: {m}" for m in missed]
         kernels[name] = {**result, "status": "fail" if missed else "pass"}
@@ -126,7 +127,7 @@ def run_dtype(dtype, shape, device, repeats, reasons: list[str]) -> dict:
         base[name] = (
             {"status": "skip", "reason": fn}
             if isinstance(fn, str)
-            else guarded(baseline_result, fn, x, shape, index, device, repeats)
+            else guarded(baseline_result, fn, x, shape, index, device=device, repeats=repeats)
         )
         if base[name]["status"] == "fail":
             reasons.append(f"baseline {name} {name_of}: {base[name]['error']['type']}")

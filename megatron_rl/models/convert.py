@@ -261,6 +261,7 @@ def iter_export(
     model: torch.nn.Module,
     gather_tp: Callable[[torch.Tensor], list[torch.Tensor]],
     spec: DecoderSpec,
+    *,
     layer_offset: int,
     gather_experts: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     ep: int = 1,

@@ -115,7 +115,14 @@ def export_hf_tensors(model: torch.nn.Module, spec: DecoderSpec):
     routed experts over EP (on every rank; ``save_hf_checkpoint`` gathers to the writer only)."""
     from megatron_rl.parallel.gather import gather_experts, gather_tp
 
-    return iter_export(model, gather_tp, spec, layer_offset(model), gather_experts, expert_parallel_size())
+    return iter_export(
+        model,
+        gather_tp,
+        spec,
+        layer_offset=layer_offset(model),
+        gather_experts=gather_experts,
+        ep=expert_parallel_size(),
+    )
 
 
 @dataclass(frozen=True)
