@@ -1,4 +1,4 @@
-"""``tools/bench_attention.py`` on the CPU: the Triton kernel under the interpreter, tiny, checked
+"""``python -m megatron_rl bench attention`` on the CPU: the Triton kernel under the interpreter, tiny, checked
 against the reference backend and timed against per-sample SDPA; one JSON line."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def report() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tool must set it itself
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--device", "cpu"],
+        [sys.executable, "-m", "megatron_rl", "bench", "attention", "--device", "cpu"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""tools/bench_throughput.py on a tiny model: a megatron_rl run and the TRL peer run side by side,
+"""``python -m megatron_rl bench throughput`` on a tiny model: a megatron_rl run and the TRL peer run side by side,
 one JSON line with each run's completion tokens/s and its ratio to TRL's."""
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ def test_bench_throughput_runs_megatron_rl_and_trl_side_by_side(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
-            "tools/bench_throughput.py",
+            "-m",
+            "megatron_rl",
+            "bench",
+            "throughput",
             "--config",
             str(config),
             "--steps",

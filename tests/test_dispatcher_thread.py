@@ -10,11 +10,10 @@ import time
 import pytest
 
 from megatron_rl.control import FixedController
-from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
-from megatron_rl.rollout.types import SamplingSettings
+from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
 from megatron_rl.trainer.loop import run_step
 from megatron_rl.weight_sync.snapshot import SnapshotUpdate
-from tests.pipeline_fakes import MAX_NEW_TOKENS, FakeEngine, FakePrompts, deadline, detokenize, parity_reward
+from tests.pipeline_fakes import FakeEngine, FakePrompts, deadline, parity_reward, single_turn
 
 
 class FakeLeader:
@@ -46,20 +45,18 @@ class FakeLeader:
 
 def _run(mode: str, threaded: bool) -> FakeLeader:
     engine = FakeEngine(order_seed=5, delay_s=0.02)
-    pipe = Pipeline(
+    inputs = RolloutInputs(
         engine=engine,
         prompts=FakePrompts([f"p{i}" for i in range(8)], per_batch=8),
+        generator=single_turn(),
         reward_fn=parity_reward,
-        detokenize=detokenize,
         controller=FixedController(4),
-        sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS),
         scoring=GroupScoring(),
-        settings=PipelineSettings(
-            mode=mode, seed=7, micro_batch_tokens=64, poll_s=0.01, mini_batches=2, join_timeout_s=5.0
-        ),
-        num_steps=1,
-        replicas=3,
     )
+    settings = PipelineSettings(
+        mode=mode, seed=7, micro_batch_tokens=64, poll_s=0.01, mini_batches=2, join_timeout_s=5.0
+    )
+    pipe = Pipeline(inputs, settings, StepSpan(num_steps=1), replicas=3)
     leader = FakeLeader(engine, threaded=threaded)
     with deadline(120), pipe:
         run_step(pipe, leader)
@@ -96,15 +93,16 @@ def _remote(leader: FakeLeader) -> list[float]:
     return [e[4] for e in leader.events if e[0] == "mb" and e[1] != 0]
 
 
-def test_bench_dispatcher_reports_its_figures_in_one_json_line(capsys, monkeypatch):
+def test_bench_dispatcher_reports_its_figures_in_one_json_line(capsys):
     """``megatron_rl/bench/benchmarks/dispatcher.py`` at a tiny scale: one JSON line, every figure
     there, and a micro-batch shipped without its Sample records is smaller and pickles faster."""
     import json
 
-    from megatron_rl.bench.benchmarks import dispatcher as bench
+    from megatron_rl.bench.benchmarks import run_benchmark
 
     assert (
-        bench.main(
+        run_benchmark(
+            "dispatcher",
             [
                 "--replicas",
                 "4",
@@ -120,7 +118,7 @@ def test_bench_dispatcher_reports_its_figures_in_one_json_line(capsys, monkeypat
                 "256",
                 "--steps",
                 "1",
-            ]
+            ],
         )
         == 0
     )

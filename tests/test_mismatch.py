@@ -105,7 +105,10 @@ def test_bench_mismatch_runs_and_an_fp32_hf_engine_matches_after_the_sync(tmp_pa
     out = subprocess.run(
         [
             sys.executable,
-            str(root / "tools" / "bench_mismatch.py"),
+            "-m",
+            "megatron_rl",
+            "bench",
+            "mismatch",
             "--tiny",
             "--engine",
             "hf",

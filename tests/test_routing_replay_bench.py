@@ -1,4 +1,4 @@
-"""``tools/routing_replay_bench.py`` end to end: a bf16 hf engine with planted router noise vs the
+"""``python -m megatron_rl bench routing_replay`` end to end: a bf16 hf engine with planted router noise vs the
 fp32 trainer, with and without routing replay (one JSON line).
 
 Checked: with replay the trainer uses the engine's expert set on every (forwarded token, MoE
@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 def test_replay_makes_routes_agree_and_lowers_the_mismatch():
     cmd = [
         sys.executable,
-        str(REPO / "tools" / "routing_replay_bench.py"),
+        "-m",
+        "megatron_rl",
+        "bench",
+        "routing_replay",
         "--router-noise",
         "0",
         "0.1",

@@ -1,4 +1,4 @@
-"""`tools/bench_weight_sync.py` as a user runs it, tiny: one JSON line with every sync path's
+"""`python -m megatron_rl bench weight_sync` as a user runs it, tiny: one JSON line with every sync path's
 seconds, GB/s and CPU seconds, and the bucketed big-model transfer."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_bench_weight_sync_prints_every_path(tmp_path):
     model = make_tiny_hf(tmp_path / "qwen2", "qwen2", layers=2)
     args = ["--model", str(model), "--engines", "hf", "--syncs", "2", "--big", "tiny", "--bucket-mb", "1"]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools/bench_weight_sync.py"), *args],
+        [sys.executable, "-m", "megatron_rl", "bench", "weight_sync", *args],
         capture_output=True,
         text=True,
         timeout=300,
