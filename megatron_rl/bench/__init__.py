@@ -1,11 +1,14 @@
-"""Throughput benchmark: ``python -m megatron_rl bench CONFIG --scope e2e|train|rollout``.
+"""Benchmarks: a config's throughput (``bench CONFIG --scope``) and the named ones (``bench <name>``).
 
-Modules: ``options`` (the flags, one ``BenchOptions``), ``lengths`` (synthetic length
-distributions), ``flops`` (training FLOPs on the shared-prompt layout, device peaks),
-``result`` (per-step measures -> ``BenchResult``: JSON line and table), ``train_scope`` (the
-trainer alone on synthetic groups through the real packing path), ``rollout_scope`` (the
-engines alone), ``e2e_scope`` (the training loop), ``compare`` (variants side by side),
-``runner`` (the CLI body).
+``python -m megatron_rl bench CONFIG --scope e2e|train|rollout`` measures a run; ``python -m
+megatron_rl bench <name> [args]`` runs one of ``benchmarks/`` (``bench --list``), each printing
+one JSON line through the shared runner. Modules: ``options`` (the flags, one ``BenchOptions``),
+``lengths`` (synthetic length distributions), ``flops`` (training FLOPs on the shared-prompt
+layout, device peaks), ``result`` (per-step measures -> ``BenchResult``: JSON line and table),
+``train_scope`` (the trainer alone on synthetic groups through the real packing path),
+``rollout_scope`` (the engines alone), ``e2e_scope`` (the training loop), ``compare`` (variants
+side by side), ``runner`` (the CLI body), ``attention`` (what the attention benchmark and the
+device check measure), ``benchmarks`` (the named benchmarks and their runner).
 """
 
 from megatron_rl.bench.flops import GroupShape, training_flops
