@@ -10,6 +10,7 @@ model.megatron.recompute_granularity) for values that would fit: the refusal nam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl.attention.backends import auto_backend
@@ -129,44 +130,70 @@ def _peak(dims: ModelDims, settings: MemorySettings) -> int:
     return max(s.total for s in estimate_memory(dims, settings))
 
 
-def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world: int) -> list[str]:
-    """One line per knob that, changed alone, brings the largest stage under `usable` bytes."""
-    out: list[str] = []
+@dataclass(frozen=True)
+class _Knob:
+    """One config key to try alone: its candidate values in order, and the settings each gives."""
+
+    key: str
+    values: list
+    change: Callable[[object], MemorySettings]
+    note: str = ""
+
+
+def _parallel_knobs(dims: ModelDims, s: MemorySettings, world: int) -> list[_Knob]:
+    """More tensor, pipeline or expert parallelism, or the distributed optimizer, on the same devices."""
     sizes = {"num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "intermediate_size": dims.ffn}
-
-    def first_fit(key: str, values, change, note: str = "") -> None:
-        for v in values:
-            if (peak := _peak(dims, change(v))) <= usable:
-                out.append(f"{key}={v} fits ({peak / 2**30:.1f} GiB){note}")
-                return
-
     tps = [
         t
         for t in range(s.tp + 1, dims.heads + 1)  # keeping parallel.ep dividing the new dp
         if world % (t * s.pp * s.ep) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None
     ]
-    first_fit("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp)))
     pps = [p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p * s.ep) == 0]
-    first_fit("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p)))
+    knobs = [
+        _Knob("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp))),
+        _Knob("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p))),
+    ]
     if dims.moe is not None:  # more expert parallelism: fewer experts per rank (ep divides dp and experts)
         eps = [e for e in range(s.ep + 1, s.dp + 1) if s.dp % e == 0 and dims.moe.experts % e == 0]
-        first_fit("parallel.ep", eps, lambda e: with_changes(s, ep=e))
+        knobs.append(_Knob("parallel.ep", eps, lambda e: with_changes(s, ep=e)))
     if not s.distributed_optimizer and s.dp > 1:
-        first_fit("parallel.distributed_optimizer", [True], lambda v: with_changes(s, distributed_optimizer=v))
+        knobs.append(
+            _Knob("parallel.distributed_optimizer", [True], lambda v: with_changes(s, distributed_optimizer=v))
+        )
+    return knobs
+
+
+def _activation_knobs(cfg: Config, s: MemorySettings) -> list[_Knob]:
+    """Smaller micro-batches (never below one prompt + response) or full recompute."""
     floor = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     budgets = sorted({max(floor, int(s.micro_batch.tokens * 0.75**i)) for i in range(1, 12)}, reverse=True)
-    first_fit(
-        "pipeline.micro_batch_tokens",
-        [b for b in budgets if b < s.micro_batch.tokens],
-        lambda b: with_changes(s, micro_batch=micro_batch_shape(cfg, b)),
-    )
-    if s.recompute != "full":
-        first_fit(
-            "model.megatron.recompute_granularity",
-            ["full"],
-            lambda r: with_changes(s, recompute=r),
-            " with model.megatron.recompute_method=uniform, model.megatron.recompute_num_layers=1",
+    knobs = [
+        _Knob(
+            "pipeline.micro_batch_tokens",
+            [b for b in budgets if b < s.micro_batch.tokens],
+            lambda b: with_changes(s, micro_batch=micro_batch_shape(cfg, b)),
         )
+    ]
+    if s.recompute != "full":
+        knobs.append(
+            _Knob(
+                "model.megatron.recompute_granularity",
+                ["full"],
+                lambda r: with_changes(s, recompute=r),
+                " with model.megatron.recompute_method=uniform, model.megatron.recompute_num_layers=1",
+            )
+        )
+    return knobs
+
+
+def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world: int) -> list[str]:
+    """One line per knob that, changed alone, brings the largest stage under `usable` bytes."""
+    out: list[str] = []
+    for knob in _parallel_knobs(dims, s, world) + _activation_knobs(cfg, s):
+        for v in knob.values:
+            if (peak := _peak(dims, knob.change(v))) <= usable:
+                out.append(f"{knob.key}={v} fits ({peak / 2**30:.1f} GiB){knob.note}")
+                break
     if not out:
         out.append(
             "no single knob suffices: raise parallel.tp / parallel.pp (more devices per model), enable "

@@ -46,14 +46,14 @@ def layout_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
-    """The largest stage's memory, term by term, against the device; the verdict last."""
-    s, w, d = plan.settings, plan.worst, plan.device
+def _term_rows(plan: Plan) -> list[tuple[str, int, str]]:
+    """(term, bytes, where it comes from) for each memory term of the largest stage."""
+    s, w = plan.settings, plan.worst
     mb = s.micro_batch
     copies = " + ".join(plan.trimodel.active)
     experts = f" ({w.expert_params / 1e9:.3f} B of routed experts, 1/{s.ep} of them)" if w.expert_params else ""
     sharded = f", sharded over dp {s.dp}" + (f" (experts: expert-dp {s.expert_dp})" if w.expert_params else "")
-    rows = [
+    return [
         ("weights", w.weights, f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank{experts}, {s.dtype}"),
         ("grads", w.grads, "fp32 DDP gradient buffer (policy)"),
         (
@@ -81,20 +81,31 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
         ),
         ("transient", w.transient, "logits + fp32 copies during log-probs, or one layer's backward"),
     ]
-    lines = [
-        "tri-model: " + "; ".join(plan.trimodel.reasons),
-        f"memory per training device (stage {w.stage} of pp {s.pp}, the largest):",
-    ]
-    lines += [f"  {name:<12}{_gib(n)}   {why}" for name, n, why in rows]
+
+
+def _total_lines(plan: Plan) -> list[str]:
+    """The largest stage's total against the device's usable memory, then each stage's total under pp."""
+    s, w, d = plan.settings, plan.worst, plan.device
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     shared = f" × {plan.sharers} ranks sharing the machine's RAM" if plan.sharers > 1 else ""
-    lines.append(
+    lines = [
         f"  {'total':<12}{_gib(w.total)}{shared}   of {_gib(d.usable_bytes).strip()} usable "
         f"({d.usable_fraction:.0%} of {d.memory_bytes / GIB:.1f} GiB {d.name}): {verdict}"
-    )
+    ]
     if s.pp > 1:
         lines.append("  per stage: " + ", ".join(f"{st.stage}: {st.total / GIB:.2f} GiB" for st in plan.stages))
-    lines += _compute_lines(plan, peak_tflops or d.peak_tflops)
+    return lines
+
+
+def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
+    """The largest stage's memory, term by term, against the device; the verdict last."""
+    lines = [
+        "tri-model: " + "; ".join(plan.trimodel.reasons),
+        f"memory per training device (stage {plan.worst.stage} of pp {plan.settings.pp}, the largest):",
+    ]
+    lines += [f"  {name:<12}{_gib(n)}   {why}" for name, n, why in _term_rows(plan)]
+    lines += _total_lines(plan)
+    lines += _compute_lines(plan, peak_tflops or plan.device.peak_tflops)
     return lines
 
 
