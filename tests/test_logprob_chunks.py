@@ -44,7 +44,7 @@ def _worker(tp, path):
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.parallel.vocab_parallel import vocab_parallel_entropy
-    from megatron_rl.trimodel import TriModel
+    from megatron_rl.trimodel import LogprobSettings, TriModel
     from megatron_rl.trimodel.logprobs import head_logprobs
 
     initialize_parallel(tp=tp, pp=1)
@@ -56,9 +56,7 @@ def _worker(tp, path):
         old=None,
         ref=None,
         plan=plan_trimodel(LossSettings(), optimizer_steps_per_batch=1),
-        vocab_size=vocab,
-        with_entropy=True,
-        logprob_chunk_tokens=CHUNK,
+        logprobs=LogprobSettings(vocab_size=vocab, with_entropy=True, logprob_chunk_tokens=CHUNK),
     )
     out = tri.run(mbs, loss=lambda lp, i: ((lp.policy * weights[i]).sum(), (lp.policy.detach(), lp.entropy.detach())))
     chunked = torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])

@@ -146,7 +146,7 @@ def _reference_router_gradient(path, all_chunks) -> dict[str, torch.Tensor]:
     from megatron_rl.algorithms import LossSettings
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.pipeline.records import make_micro_batch
-    from megatron_rl.trimodel import TriModel, plan_trimodel
+    from megatron_rl.trimodel import LogprobSettings, TriModel, plan_trimodel
     from megatron_rl.trimodel.routing import moe_routers
 
     model, spec = load_model_from_hf(path, attention_backend="split")
@@ -154,7 +154,7 @@ def _reference_router_gradient(path, all_chunks) -> dict[str, torch.Tensor]:
     for router in moe_routers(model):
         router.register_forward_hook(lambda module, args, out: inputs.append((module, args[0])))
     plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1, offload_old=False, offload_ref=False)
-    tri = TriModel(policy=model, old=None, ref=None, plan=plan, vocab_size=spec.vocab_size)
+    tri = TriModel(policy=model, old=None, ref=None, plan=plan, logprobs=LogprobSettings(vocab_size=spec.vocab_size))
     seqs = [sum(len(g.samples) for g in chunk) for chunk in all_chunks]
     for chunk, d in zip(all_chunks, seqs, strict=True):
         inputs.clear()

@@ -89,7 +89,7 @@ def _replay_worker(layout, paths, group):
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.pipeline.records import make_micro_batch
-    from megatron_rl.trimodel import TriModel, plan_trimodel
+    from megatron_rl.trimodel import LogprobSettings, TriModel, plan_trimodel
     from megatron_rl.trimodel.routing import RouteCapture, moe_routers
 
     initialize_parallel(**layout, platform=TRAIN_PLATFORM)
@@ -98,7 +98,9 @@ def _replay_worker(layout, paths, group):
     plan = plan_trimodel(LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2, offload_old=False, offload_ref=False)
     out = {"layers": [r.layer_number for r in moe_routers(policy)]}
     for replay in (True, False):
-        tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, vocab_size=300, routing_replay=replay)
+        tri = TriModel(
+            policy=policy, old=old, ref=ref, plan=plan, logprobs=LogprobSettings(vocab_size=300, routing_replay=replay)
+        )
         captures = {name: RouteCapture(m) for name, m in (("policy", policy), ("old", old), ("ref", ref))}
         tri.run([mb], loss=lambda lp, i: (lp.policy.sum(), None))
         out[replay] = {name: c.routes() for name, c in captures.items()}
@@ -145,7 +147,7 @@ def _recompute_worker(paths, group):
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
     from megatron_rl.pipeline.records import make_micro_batch
-    from megatron_rl.trimodel import TriModel, plan_trimodel
+    from megatron_rl.trimodel import LogprobSettings, TriModel, plan_trimodel
     from megatron_rl.trimodel.routing import moe_routers
 
     initialize_parallel(tp=1, pp=1, platform=TRAIN_PLATFORM)
@@ -161,7 +163,9 @@ def _recompute_worker(paths, group):
         router.register_forward_hook(hook)
     mb = make_micro_batch([group], policy_version=0).packed
     plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1, offload_old=False, offload_ref=False)
-    tri = TriModel(policy=policy, old=None, ref=None, plan=plan, vocab_size=300, routing_replay=True)
+    tri = TriModel(
+        policy=policy, old=None, ref=None, plan=plan, logprobs=LogprobSettings(vocab_size=300, routing_replay=True)
+    )
     tri.run([mb], loss=lambda lp, i: (lp.policy.sum(), None))
     grads = sum(int(p.grad is not None or getattr(p, "main_grad", None) is not None) for p in policy.parameters())
     return calls, grads

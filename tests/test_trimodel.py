@@ -74,7 +74,7 @@ def _separate(model, mbs, weights, vocab, *, forward_only):
 def _worker(tp, pp, paths, offload):
     from megatron_rl.models import load_model_from_hf
     from megatron_rl.parallel.state import initialize_parallel
-    from megatron_rl.trimodel import TriModel
+    from megatron_rl.trimodel import LogprobSettings, TriModel
 
     plat, _ = initialize_parallel(tp=tp, pp=pp, platform=TRAIN_PLATFORM)  # offload: host <-> a device
     load = lambda p: load_model_from_hf(p, attention_backend="split")  # noqa: E731
@@ -85,7 +85,7 @@ def _worker(tp, pp, paths, offload):
     plan = plan_trimodel(
         LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2, offload_old=offload, offload_ref=offload
     )
-    tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, vocab_size=vocab)
+    tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, logprobs=LogprobSettings(vocab_size=vocab))
 
     def loss(lp, i):  # old / ref enter the loss too: no graph may lead from them to parameters
         w = weights[i]
@@ -104,7 +104,9 @@ def _worker(tp, pp, paths, offload):
 
     # Skip path: policy only (one stream between stages); old is the detached policy, ref is None.
     skip_plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1)
-    solo = TriModel(policy=sep_models[0], old=None, ref=None, plan=skip_plan, vocab_size=vocab)
+    solo = TriModel(
+        policy=sep_models[0], old=None, ref=None, plan=skip_plan, logprobs=LogprobSettings(vocab_size=vocab)
+    )
     skipped = solo.run(
         mbs, loss=lambda lp, i: (lp.policy.sum(), (lp.policy, lp.old, lp.ref, lp.old_is_policy)), forward_only=True
     )

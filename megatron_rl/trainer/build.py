@@ -13,7 +13,7 @@ from megatron_rl.models import DecoderSpec, load_model_from_hf
 from megatron_rl.models.moe import moe_loss_kwargs
 from megatron_rl.trainer.optim import wrap_for_training
 from megatron_rl.trainer.policy_step import PolicyTrainer
-from megatron_rl.trimodel import TriModel, TriModelPlan, load_frozen_copies, plan_trimodel
+from megatron_rl.trimodel import LogprobSettings, TriModel, TriModelPlan, load_frozen_copies, plan_trimodel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # model.dtype -> torch
 
@@ -56,11 +56,13 @@ def build_policy_trainer(settings: TrainerSettings) -> tuple[PolicyTrainer, torc
         old=old,
         ref=ref,
         plan=plan,
-        vocab_size=spec.vocab_size,
-        temperature=settings.temperature,
-        with_entropy=settings.loss.entropy_coef > 0,
-        logprob_chunk_tokens=t.logprob_chunk_tokens,
-        routing_replay=settings.routing_replay,
+        logprobs=LogprobSettings(
+            vocab_size=spec.vocab_size,
+            temperature=settings.temperature,
+            with_entropy=settings.loss.entropy_coef > 0,
+            logprob_chunk_tokens=t.logprob_chunk_tokens,
+            routing_replay=settings.routing_replay,
+        ),
     )
     trainer = PolicyTrainer(
         trimodel=trimodel,

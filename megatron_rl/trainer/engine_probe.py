@@ -171,15 +171,17 @@ def policy_logprobs(trimodel, packed: PackedMicroBatch) -> torch.Tensor | None:
     stage (None elsewhere): one forward-only schedule of the policy stream alone (no old / ref),
     every rank of the model-parallel group taking part."""
     from megatron_rl.parallel.schedule import run_schedule
-    from megatron_rl.trimodel.stage import TriStage
+    from megatron_rl.trimodel.stage import LogprobSettings, TriStage
 
     stage = TriStage(
         policy=trimodel.policy,
         old=None,
         ref=None,
-        vocab_size=trimodel.stage.vocab_size,
-        temperature=1.0,
-        logprob_chunk_tokens=trimodel.stage.logprob_chunk_tokens,
+        logprobs=LogprobSettings(
+            vocab_size=trimodel.stage.logprobs.vocab_size,
+            temperature=1.0,
+            logprob_chunk_tokens=trimodel.stage.logprobs.logprob_chunk_tokens,
+        ),
     )
     out = run_schedule(
         stage,

@@ -9,12 +9,13 @@ whether old / ref are resident, offloaded to host memory between micro-steps, or
 from megatron_rl.trimodel.model import CopyMemory, TriModel, TriModelMemory, load_frozen_copies
 from megatron_rl.trimodel.offload import HostOffload
 from megatron_rl.trimodel.plan import CopyPlan, Residency, TriModelPlan, plan_trimodel
-from megatron_rl.trimodel.stage import TriLogprobs, TriStage
+from megatron_rl.trimodel.stage import LogprobSettings, TriLogprobs, TriStage
 
 __all__ = [
     "CopyMemory",
     "CopyPlan",
     "HostOffload",
+    "LogprobSettings",
     "Residency",
     "TriLogprobs",
     "TriModel",

@@ -25,7 +25,7 @@ from megatron_rl.parallel.schedule import run_schedule
 from megatron_rl.platform.patches.finalize_grads import scoped_finalize_model_grads
 from megatron_rl.trimodel.offload import HostOffload
 from megatron_rl.trimodel.plan import CopyPlan, Residency, TriModelPlan
-from megatron_rl.trimodel.stage import TriLogprobs, TriStage, unwrap
+from megatron_rl.trimodel.stage import LogprobSettings, TriLogprobs, TriStage, unwrap
 
 LossFn = Callable[[TriLogprobs, int], tuple[torch.Tensor, Any]]
 
@@ -79,15 +79,12 @@ class TriModel:
         old: torch.nn.Module | None,
         ref: torch.nn.Module | None,
         plan: TriModelPlan,
-        vocab_size: int,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        logprob_chunk_tokens: int = 4096,
-        routing_replay: bool = False,
+        logprobs: LogprobSettings,
     ) -> None:
         """``policy``: the GPTModel stage or a wrapper whose ``.module`` chain ends in it (DDP).
         ``old`` / ``ref``: GPTModel stages built like the policy, or None where ``plan`` skips them.
-        ``routing_replay``: policy and old take each micro-batch's engine routes (``trimodel/routing.py``)."""
+        ``logprobs``: how the stage scores tokens; with ``routing_replay``, policy and old take each
+        micro-batch's engine routes (``trimodel/routing.py``)."""
         _check_copy("old", old, plan.old)
         _check_copy("ref", ref, plan.ref)
         self.plan = plan
@@ -101,18 +98,9 @@ class TriModel:
             module.eval()
             if copy_plan.residency is Residency.OFFLOADED:
                 self._offload[name] = HostOffload(module, device=device)
-        if routing_replay:
+        if logprobs.routing_replay:
             _attach_replay(policy, old)
-        self.stage = TriStage(
-            policy=policy,
-            old=old,
-            ref=ref,
-            vocab_size=vocab_size,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            logprob_chunk_tokens=logprob_chunk_tokens,
-            routing_replay=routing_replay,
-        )
+        self.stage = TriStage(policy=policy, old=old, ref=ref, logprobs=logprobs)
 
     def run(
         self,

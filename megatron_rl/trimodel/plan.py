@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from megatron_rl.algorithms.losses import LossSettings
+from megatron_rl.config.schema import TrainerConfig
 
 COPIES = ("policy", "old", "ref")
 
@@ -76,7 +77,11 @@ def _kept(name: str, offload: bool, why: str) -> CopyPlan:
 
 
 def plan_trimodel(
-    loss: LossSettings, *, optimizer_steps_per_batch: int, offload_old: bool = False, offload_ref: bool = False
+    loss: LossSettings,
+    *,
+    optimizer_steps_per_batch: int,
+    offload_old: bool = TrainerConfig.offload_old,
+    offload_ref: bool = TrainerConfig.offload_reference,
 ) -> TriModelPlan:
     """Decide which of old / ref run and where they live (see the module docstring)."""
     if optimizer_steps_per_batch < 1:

@@ -25,7 +25,21 @@ import torch
 
 from megatron_rl.attention.context import packed_attention
 from megatron_rl.attention.packing import PackedMicroBatch
+from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig
 from megatron_rl.trimodel.logprobs import head_logprobs, hidden_states_only
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogprobSettings:
+    """How the tri-model turns each copy's hidden states into per-token log-probs; built once at
+    the composition root (``trainer.build``) and passed down unchanged. Defaults are the schema's."""
+
+    vocab_size: int  # the model's unpadded vocabulary: logit columns at ids >= it (megatron's padding) are masked off
+    temperature: float = AlgorithmConfig.temperature  # log-probs at the sampling temperature
+    with_entropy: bool = AlgorithmConfig.entropy_coef > 0  # the policy's per-token entropy too (for the bonus)
+    logprob_chunk_tokens: int = TrainerConfig.logprob_chunk_tokens  # head rows scored at a time
+    # algorithm.routing_replay 'rollout': policy and old take mb.routed_experts (trimodel/routing.py)
+    routing_replay: bool = AlgorithmConfig.routing_replay == "rollout"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,21 +69,20 @@ class TriStage(torch.nn.Module):
         policy: torch.nn.Module,
         old: torch.nn.Module | None,
         ref: torch.nn.Module | None,
-        vocab_size: int,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        logprob_chunk_tokens: int = 4096,
-        routing_replay: bool = False,
+        logprobs: LogprobSettings,
     ) -> None:
         super().__init__()
         self.policy, self.old, self.ref = policy, old, ref
-        self.routing_replay = routing_replay  # policy and old take mb.routed_experts (trimodel/routing.py)
+        self.logprobs = logprobs
         inner = unwrap(policy)
         self.config = inner.config  # megatron's schedule reads it via get_model_config
         self.model_type = inner.model_type
         self.post_process = inner.post_process
-        self.vocab_size, self.temperature, self.with_entropy = vocab_size, temperature, with_entropy
-        self.logprob_chunk_tokens = logprob_chunk_tokens
+
+    @property
+    def routing_replay(self) -> bool:
+        """Whether policy and old replay the engine's routes (``LogprobSettings.routing_replay``)."""
+        return self.logprobs.routing_replay
 
     def streams(self) -> list[tuple[torch.nn.Module, bool]]:
         """(module, frozen) of the active copies in stream order: policy, old, ref."""
@@ -121,12 +134,13 @@ class TriStage(torch.nn.Module):
 
     def _reduce(self, module: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, frozen: bool):
         """Hidden states ``[N, h]`` of the scored positions -> (log-probs [N], entropy [N] or None)."""
+        s = self.logprobs
         return head_logprobs(
             unwrap(module),
             hidden,
             targets,
-            vocab_size=self.vocab_size,
-            temperature=self.temperature,
-            with_entropy=self.with_entropy and not frozen,
-            chunk_tokens=self.logprob_chunk_tokens,
+            vocab_size=s.vocab_size,
+            temperature=s.temperature,
+            with_entropy=s.with_entropy and not frozen,
+            chunk_tokens=s.logprob_chunk_tokens,
         )

@@ -129,11 +129,13 @@ def score(policy, groups, vocab: int, replay: bool) -> dict[str, float]:
     from megatron_rl.algorithms.losses import LossSettings
     from megatron_rl.attention.packing import pad_responses, response_mask
     from megatron_rl.pipeline.records import make_micro_batch
-    from megatron_rl.trimodel import TriModel, plan_trimodel
+    from megatron_rl.trimodel import LogprobSettings, TriModel, plan_trimodel
     from megatron_rl.trimodel.routing import RouteCapture, moe_layer_numbers
 
     plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1, offload_old=False, offload_ref=False)
-    tri = TriModel(policy=policy, old=None, ref=None, plan=plan, vocab_size=vocab, routing_replay=replay)
+    tri = TriModel(
+        policy=policy, old=None, ref=None, plan=plan, logprobs=LogprobSettings(vocab_size=vocab, routing_replay=replay)
+    )
     capture, merged, agree, pairs = RouteCapture(policy), None, 0, 0
     columns = [n - 1 for n in moe_layer_numbers(policy.config)]
     for group in groups:

@@ -170,14 +170,14 @@ def worker(args: argparse.Namespace) -> dict | None:
 
     from megatron_rl.algorithms import LossSettings
     from megatron_rl.parallel.state import initialize_parallel
-    from megatron_rl.trimodel import TriModel, plan_trimodel
+    from megatron_rl.trimodel import LogprobSettings, TriModel, plan_trimodel
 
     initialize_parallel(tp=args.tp, pp=args.pp, seed=args.seed)
     (policy, old, ref), vocab = _models(args, args.tp, args.pp)
     mbs = _micro_batches(args, vocab)
     prox_inputs = _loglinear_inputs(mbs)
     plan = plan_trimodel(LossSettings(kl_coef=0.1), optimizer_steps_per_batch=2)  # all three resident
-    tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, vocab_size=vocab)
+    tri = TriModel(policy=policy, old=old, ref=ref, plan=plan, logprobs=LogprobSettings(vocab_size=vocab))
 
     def fused():
         tri.run(mbs, loss=lambda lp, i: (lp.policy.sum(), None))
