@@ -54,22 +54,18 @@ DEFAULTS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line flags; SAGC defaults come from SAGCSettings, workload ones from workload.py."""
+def _add_sagc_flags(p: argparse.ArgumentParser) -> None:
+    """SAGC's own settings, defaults from SAGCSettings."""
     d = SAGCSettings()
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--workload", choices=("paper", "synthetic"), default="paper")
-    p.add_argument(
-        "--format", choices=("json", "table"), default="json", help="one JSON line (default) or a readable table"
-    )
-    p.add_argument("--steps", type=int, help="training steps per policy (paper 500, synthetic 4000)")
-    p.add_argument("--prompts", type=int, help="prompts per step (paper 32, synthetic 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of lengths and of SAGC's sampler")
     p.add_argument("--delta", type=float, default=d.delta, help="target straggler rate")
     p.add_argument("--tau", type=float, default=d.tau, help="straggler threshold, max/median")
     p.add_argument("--gamma", type=float, default=d.gamma, help="posterior forgetting factor")
     p.add_argument("--eta", type=float, default=d.eta, help="dual step size")
     p.add_argument("--lambda-max", type=float, default=d.lambda_max, help="clip of lambda")
+
+
+def _add_paper_flags(p: argparse.ArgumentParser) -> None:
+    """The paper workload's pass rate and step-time model, defaults from workload.py."""
     p.add_argument(
         "--pass-rate",
         type=float,
@@ -94,6 +90,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sync-s", type=float, default=wl.ASSUMED_SYNC_S, help="paper: optimizer step + weight sync seconds"
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags; SAGC defaults come from SAGCSettings, workload ones from workload.py."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--workload", choices=("paper", "synthetic"), default="paper")
+    p.add_argument(
+        "--format", choices=("json", "table"), default="json", help="one JSON line (default) or a readable table"
+    )
+    p.add_argument("--steps", type=int, help="training steps per policy (paper 500, synthetic 4000)")
+    p.add_argument("--prompts", type=int, help="prompts per step (paper 32, synthetic 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths and of SAGC's sampler")
+    _add_sagc_flags(p)
+    _add_paper_flags(p)
     p.add_argument("--no-stragglers", action="store_true", help="synthetic: remove the runaway tail")
     p.add_argument(
         "--runs", nargs="+", metavar="DIR", help="compare real runs' metrics.jsonl over the same number of samples"
@@ -109,9 +119,9 @@ def _round(row: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
 
 
-def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
-    """The paper workload: both modes, every policy, and the comparison with the paper."""
-    work = wl.Workload(
+def _paper_workload(args: argparse.Namespace) -> wl.Workload:
+    """The paper's workload at the flags' steps, prompts, pass rate and step-time model."""
+    return wl.Workload(
         steps=args.steps,
         prompts=args.prompts,
         lengths=wl.ReasoningLengths(ramp_steps=args.steps),
@@ -124,13 +134,12 @@ def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
         ),
         pass_rates=PassRateModel(mean=args.pass_rate, concentration=wl.ASSUMED_PASS_RATE_CONCENTRATION),
     )
-    results = wl.compare_on_workload(settings, work, seed=args.seed)
-    report: dict = {"workload": "paper"}
-    for mode, rows in results.items():
-        report[mode] = {name: _round(dataclasses.asdict(r)) for name, r in rows.items()}
-    g_max = settings.candidates[-1]
+
+
+def _paper_comparison(results: dict, g_max: int) -> dict:
+    """``paper`` (the paper's four figures) and ``vs_paper`` (the simulator's counterparts)."""
     ratio = {mode: rows["sagc"].wall_clock_h / rows[f"fixed_{g_max}"].wall_clock_h for mode, rows in results.items()}
-    report["paper"] = {
+    paper = {
         "run": "Llama-3.2-3B / DAPO (summary sec. 4)",
         "fixed_16_straggler_rate": wl.PAPER_FIXED_G16_STRAGGLER_RATE,
         "sagc_straggler_rate": wl.PAPER_SAGC_STRAGGLER_RATE,
@@ -138,7 +147,7 @@ def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
         "sagc_hours": wl.PAPER_SAGC_HOURS,
         "sagc_over_fixed_16_hours": round(wl.PAPER_SAGC_HOURS / wl.PAPER_FIXED_G16_HOURS, 4),
     }
-    report["vs_paper"] = _round(
+    vs_paper = _round(
         {
             "fixed_16_straggler_rate": results["sync"][f"fixed_{g_max}"].straggler_rate,
             "sagc_straggler_rate": results["sync"]["sagc"].straggler_rate,
@@ -147,6 +156,16 @@ def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
             "min_g4_straggler_rate_if_independent": 1.0 - (1.0 - wl.PAPER_FIXED_G16_STRAGGLER_RATE) ** (4 / 16),
         }
     )
+    return {"paper": paper, "vs_paper": vs_paper}
+
+
+def run_paper(args: argparse.Namespace, settings: SAGCSettings) -> dict:
+    """The paper workload: both modes, every policy, and the comparison with the paper."""
+    results = wl.compare_on_workload(settings, _paper_workload(args), seed=args.seed)
+    report: dict = {"workload": "paper"}
+    for mode, rows in results.items():
+        report[mode] = {name: _round(dataclasses.asdict(r)) for name, r in rows.items()}
+    report.update(_paper_comparison(results, settings.candidates[-1]))
     report["calibrated"] = [  # the calibration holds for the default tau, prompts and lengths
         f"response_sigma {wl.CALIBRATED_RESPONSE_SIGMA}: fixed_16 straggles on the paper's 99.6 % "
         f"of steps at tau 3, {wl.ASSUMED_PROMPTS_PER_STEP} prompts per step",
@@ -238,29 +257,35 @@ PAPER_COLUMNS = (
 )
 
 
-def format_table(report: dict) -> str:
-    """Readable table of a report (paper: per mode; synthetic: one block)."""
-    if report["workload"] == "runs":
-        names = [k for k in report if isinstance(report[k], dict)]
-        lines = [
-            f"{'run':32s} {'steps':>5s} {'samples':>7s} {'tokens':>7s} {'straggler':>9s} {'mean G':>6s} "
-            f"{'reward':>6s} {'first5':>6s} {'last5':>6s} {'step s':>6s} {'gen s':>6s}"
-        ]
-        lines += [
-            f"{n[-32:]:32s} {r['steps']:5d} {r['samples']:7d} {r['response_tokens']:7d} "
-            f"{r['straggler_rate']:9.1%} {r['mean_g']:6.2f} {r['reward_mean']:6.3f} "
-            f"{r['reward_first5']:6.3f} {r['reward_last5']:6.3f} {r['step_s']:6.1f} {r['generation_s']:6.1f}"
-            for n, r in ((n, report[n]) for n in names)
-        ]
-        return "\n".join([*lines, f"samples budget: {report['samples_budget']}"])
-    if report["workload"] == "synthetic":
-        names = [k for k in report if k == "sagc" or k.startswith("fixed_")]
-        lines = [f"{'policy':10s} {'wall h':>8s} {'straggler':>9s} {'mean G':>6s}"]
-        lines += [
-            f"{n:10s} {report[n]['wall_clock_h']:8.2f} {report[n]['straggler_rate']:9.1%} {report[n]['mean_g']:6.2f}"
-            for n in names
-        ]
-        return "\n".join(lines + [f"checks: {report['checks']}"])
+def _runs_table(report: dict) -> str:
+    """One row per real run, then the samples budget."""
+    names = [k for k in report if isinstance(report[k], dict)]
+    lines = [
+        f"{'run':32s} {'steps':>5s} {'samples':>7s} {'tokens':>7s} {'straggler':>9s} {'mean G':>6s} "
+        f"{'reward':>6s} {'first5':>6s} {'last5':>6s} {'step s':>6s} {'gen s':>6s}"
+    ]
+    lines += [
+        f"{n[-32:]:32s} {r['steps']:5d} {r['samples']:7d} {r['response_tokens']:7d} "
+        f"{r['straggler_rate']:9.1%} {r['mean_g']:6.2f} {r['reward_mean']:6.3f} "
+        f"{r['reward_first5']:6.3f} {r['reward_last5']:6.3f} {r['step_s']:6.1f} {r['generation_s']:6.1f}"
+        for n, r in ((n, report[n]) for n in names)
+    ]
+    return "\n".join([*lines, f"samples budget: {report['samples_budget']}"])
+
+
+def _synthetic_table(report: dict) -> str:
+    """One row per policy, then the checks."""
+    names = [k for k in report if k == "sagc" or k.startswith("fixed_")]
+    lines = [f"{'policy':10s} {'wall h':>8s} {'straggler':>9s} {'mean G':>6s}"]
+    lines += [
+        f"{n:10s} {report[n]['wall_clock_h']:8.2f} {report[n]['straggler_rate']:9.1%} {report[n]['mean_g']:6.2f}"
+        for n in names
+    ]
+    return "\n".join(lines + [f"checks: {report['checks']}"])
+
+
+def _paper_table(report: dict) -> str:
+    """One block per pipeline mode, then the paper's figures against the simulator's."""
     lines = []
     for mode in ("sync", "periodic"):
         head = " ".join(f"{title:>{len(fmt.format(0))}s}" for _, title, fmt in PAPER_COLUMNS)
@@ -282,6 +307,12 @@ def format_table(report: dict) -> str:
         f"given the prompt",
     ]
     return "\n".join(lines)
+
+
+def format_table(report: dict) -> str:
+    """Readable table of a report (paper: per mode; synthetic: one block; runs: one row per run)."""
+    tables = {"runs": _runs_table, "synthetic": _synthetic_table}
+    return tables.get(report["workload"], _paper_table)(report)
 
 
 def main(argv: list[str] | None = None) -> int:
