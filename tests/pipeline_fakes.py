@@ -17,7 +17,16 @@ import time
 from dataclasses import dataclass
 
 from megatron_rl.control import FixedController
-from megatron_rl.pipeline import BatchSummary, GroupScoring, MicroBatch, Pipeline, PipelineSettings
+from megatron_rl.generation import SingleTurnGenerator
+from megatron_rl.pipeline import (
+    BatchSummary,
+    GroupScoring,
+    MicroBatch,
+    Pipeline,
+    PipelineSettings,
+    RolloutInputs,
+    StepSpan,
+)
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
@@ -228,28 +237,31 @@ def make_pipeline(
     record=None,
 ) -> Pipeline:
     """A pipeline over 6 prompts per batch (G = 4 unless ``controller`` says otherwise)."""
-    return Pipeline(
+    inputs = RolloutInputs(
         engine=engine,
         prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
+        generator=single_turn(),
         reward_fn=reward_fn,
-        detokenize=detokenize,
         controller=controller or FixedController(4),
-        sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS),
         scoring=GroupScoring(dynamic_sampling=dynamic_sampling),
-        settings=PipelineSettings(
-            mode=mode,
-            max_staleness=max_staleness,
-            queue_size=queue_size,
-            seed=7,
-            micro_batch_tokens=tokens,
-            flush_when_idle=flush_when_idle,
-            poll_s=0.01,
-            mini_batches=mini_batches,
-            join_timeout_s=5.0,
-        ),
-        num_steps=num_steps,
-        record=record,
     )
+    settings = PipelineSettings(
+        mode=mode,
+        max_staleness=max_staleness,
+        queue_size=queue_size,
+        seed=7,
+        micro_batch_tokens=tokens,
+        flush_when_idle=flush_when_idle,
+        poll_s=0.01,
+        mini_batches=mini_batches,
+        join_timeout_s=5.0,
+    )
+    return Pipeline(inputs, settings, StepSpan(num_steps=num_steps), record=record)
+
+
+def single_turn() -> SingleTurnGenerator:
+    """The single-turn generator of the fakes: ``MAX_NEW_TOKENS``, responses as ``detokenize`` text."""
+    return SingleTurnGenerator(sampling=SamplingSettings(max_new_tokens=MAX_NEW_TOKENS), detokenize=detokenize)
 
 
 def producer_threads() -> list[threading.Thread]:

@@ -16,8 +16,8 @@ from multiprocessing.connection import wait
 import pytest
 
 from megatron_rl.environments.base import StepResult
+from megatron_rl.generation import GroupStart, MultiTurnGenerator, MultiTurnSettings
 from megatron_rl.rollout.feed import RequestFeed
-from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 
 PROMPT, BUDGET, TURN, MAX_NEW = 10, 30, 4, 8
@@ -89,7 +89,7 @@ def _rollout(obs_len: int):
         encode_observation=_encode_observation,
         decode=lambda ids: "t" * len(ids),
     )
-    multi = MultiTurnRollout(
+    multi = MultiTurnGenerator(
         settings=settings,
         env_factory=lambda: Env(obs_len),
         runner=InlineRunner(),
@@ -98,7 +98,7 @@ def _rollout(obs_len: int):
     )
     engine = ScriptedEngine()
     start = GroupStart(base="0/p0", fields={}, seed=lambda k, turn: 10 * k + turn)
-    (traj,) = multi.run(engine, [start], 1, stop=threading.Event(), check_version=lambda rid, v: None)
+    (traj,) = multi.run_groups(engine, [start], 1, stop=threading.Event(), check_version=lambda rid, v: None)
     return traj, engine.requests
 
 

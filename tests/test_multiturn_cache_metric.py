@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.pipeline.multiturn import multiturn_metrics
+from megatron_rl.generation import multiturn_metrics
 from megatron_rl.pipeline.records import Sample, ScoredGroup
 
 

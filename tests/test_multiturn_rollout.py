@@ -17,9 +17,9 @@ import torch
 from megatron_rl.environments import load_environment
 from megatron_rl.environments.tasks import EchoCounter
 from megatron_rl.environments.template import observation_ids, prompt_ids
+from megatron_rl.generation import GroupStart, MultiTurnGenerator, MultiTurnSettings
 from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
 from megatron_rl.rollout.engine_wrapper import EngineWrapper, StreamRecorder
-from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
 from tests.multiturn_fixtures import make_tiny_chat_model
 from tests.rl_fixtures import teacher_forced_logprobs
 
@@ -74,8 +74,10 @@ def rollout(tokenizer, engine, factory, runner):
         for p, q in enumerate(QUESTIONS)
     ]
     versions = []
-    multi = MultiTurnRollout(settings=settings, env_factory=factory, runner=runner, sampling=sampling)
-    out = list(multi.run(engine, starts, G, stop=threading.Event(), check_version=lambda rid, v: versions.append(v)))
+    multi = MultiTurnGenerator(settings=settings, env_factory=factory, runner=runner, sampling=sampling)
+    out = list(
+        multi.run_groups(engine, starts, G, stop=threading.Event(), check_version=lambda rid, v: versions.append(v))
+    )
     return out, versions
 
 
@@ -188,7 +190,7 @@ def reset_failure_pipeline(tokenizer, engine, runner):
     """One sync step over QUESTIONS (the second's reset fails) with the ``ResetFails`` environment."""
     from megatron_rl.control import FixedController
     from megatron_rl.data.records import PromptRecord, TokenizedPrompt
-    from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
+    from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
 
     items = [
         TokenizedPrompt(record=PromptRecord(prompt_id=f"p{p}", answer="", text=q), token_ids=(1,))
@@ -203,22 +205,20 @@ def reset_failure_pipeline(tokenizer, engine, runner):
         decode=partial(char_text, tokenizer),
     )
     sampling = SamplingSettings(temperature=1.0, max_new_tokens=MAX_NEW, stop_token_ids=(tokenizer.eos_token_id,))
-    multi = MultiTurnRollout(
+    multi = MultiTurnGenerator(
         settings=settings, env_factory=partial(ResetFails, turns=2), runner=runner, sampling=sampling
     )
     held = HeldEngine(engine)
-    return held, Pipeline(
+    inputs = RolloutInputs(
         engine=held,
         prompts=prompts,
+        generator=multi,
         reward_fn=lambda record, text: float(len(text)),
-        detokenize=partial(char_text, tokenizer),
         controller=FixedController(G),
-        sampling=sampling,
         scoring=GroupScoring(),
-        num_steps=1,
-        multiturn=multi,
-        settings=PipelineSettings(mode="sync", micro_batch_tokens=4096, poll_s=0.01, join_timeout_s=30.0),
     )
+    settings = PipelineSettings(mode="sync", micro_batch_tokens=4096, poll_s=0.01, join_timeout_s=30.0)
+    return held, Pipeline(inputs, settings, StepSpan(num_steps=1))
 
 
 def test_a_failed_reset_drops_its_group_and_past_the_limit_stops_the_run(setup):

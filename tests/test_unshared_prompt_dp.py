@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_rl.attention.packing import concat_groups, k_copies, pack_group
-from megatron_rl.pipeline.producer import GroupScoring, score_group
 from megatron_rl.pipeline.records import Sample, make_micro_batch, to_token_group
+from megatron_rl.pipeline.scoring import GroupScoring, score_group
 from tests.distributed import run_distributed
 from tests.rl_fixtures import load_weights, make_tiny_rl_model, tiny_rl_config, train_run
 

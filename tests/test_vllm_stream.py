@@ -22,11 +22,10 @@ import pytest
 
 from megatron_rl.environments.runner import EnvironmentRunner
 from megatron_rl.environments.tasks import EchoCounter
+from megatron_rl.generation import GroupStart, MultiTurnGenerator, MultiTurnSettings, turn_loop
 from megatron_rl.rollout import build_engine
-from megatron_rl.rollout import multiturn as multiturn_module
 from megatron_rl.rollout.engine_wrapper import StreamRecorder
 from megatron_rl.rollout.feed import RequestFeed
-from megatron_rl.rollout.multiturn import GroupStart, MultiTurnRollout, MultiTurnSettings
 from megatron_rl.rollout.types import SamplingSettings
 from tests.hf_models import make_tiny_hf
 from tests.rollout_reference import engine_settings, request, run_all
@@ -114,7 +113,7 @@ class LongFirstTurnFeed(RequestFeed):
 
 
 def test_turns_of_other_trajectories_interleave_with_a_long_turn(engine, monkeypatch):
-    monkeypatch.setattr(multiturn_module, "RequestFeed", LongFirstTurnFeed)
+    monkeypatch.setattr(turn_loop, "RequestFeed", LongFirstTurnFeed)
     settings = MultiTurnSettings(
         max_turns=3,
         max_total_tokens=500,
@@ -129,12 +128,12 @@ def test_turns_of_other_trajectories_interleave_with_a_long_turn(engine, monkeyp
         base="0/p0", fields={"messages": [{"role": "user", "content": "go"}]}, seed=lambda k, t: 100 * k + t
     )
     with EnvironmentRunner(timeout_s=30.0, max_failures=None) as runner:
-        rollout = MultiTurnRollout(
+        rollout = MultiTurnGenerator(
             settings=settings, env_factory=lambda: EchoCounter(turns=3), runner=runner, sampling=sampling
         )
         trajectories = {
             t.request_id: t
-            for t in rollout.run(
+            for t in rollout.run_groups(
                 engine, [start], 3, stop=threading.Event(), check_version=lambda rid, v: answered.append(rid)
             )
         }

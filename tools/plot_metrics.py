@@ -122,7 +122,7 @@ def plot(rows: Rows, out: Path) -> Path:
     _phases(axes[1, 0], rows)
     _lines(axes[1, 1], rows, [k for k in keys if k.startswith(KL_CLIP_PREFIXES)], "KL / clip fractions")
     _lines(axes[1, 2], rows, ["loss/value", "loss/grad_norm"], "loss and grad norm")
-    if multiturn:  # multi-turn runs: a third row (pipeline.multiturn.multiturn_metrics)
+    if multiturn:  # multi-turn runs: a third row (generation.metrics.multiturn_metrics)
         _lines(axes[2, 0], rows, ["multiturn/turns_mean", "multiturn/turns_max"], "turns per trajectory")
         _lines(
             axes[2, 1],

@@ -1,25 +1,21 @@
 """Periodic asynchrony: a producer thread feeds scored groups through a bounded queue to the
 consumer, which trains them as they arrive and syncs weights once per batch.
 
-Modules: `records` (Sample, ScoredGroup, BatchStart / BatchEnd, MicroBatch and the one
-conversion to tensors), `versions` (which policy version may generate which batch;
-staleness), `producer` (the thread: prompts -> engine -> rewards -> advantages -> queue;
-it owns the group-size controller), `batching` (a step's groups -> mini-batches in prompt
-order -> micro-batches under the token budget), `consumer` (`Pipeline`: begin_step ->
-micro-batches for the trainer -> complete(new version) -> publish; shutdown).
+Modules: `records` (Sample, ScoredGroup, BatchStart / BatchEnd, MicroBatch; the one conversion
+of a generated trajectory to a Sample, and of samples to tensors), `versions` (which policy
+version may generate which batch; staleness), `producer` (the thread: prompts -> generator
+(``megatron_rl.generation``) -> rewards -> advantages -> queue; it owns the group-size
+controller; ``RolloutInputs`` and ``StepSpan``, what a pipeline is built from), `scoring` (a
+finished group's shaped rewards, advantages and dynamic-sampling verdict), `batching` (a step's
+groups -> mini-batches in prompt order -> micro-batches under the token budget), `consumer`
+(`Pipeline`: begin_step -> micro-batches for the trainer -> complete(new version) -> publish;
+shutdown), `recording` (the queue as JSONL, and its replay).
 """
 
+from megatron_rl.generation.base import request_id, request_seed
 from megatron_rl.pipeline.batching import StepBatch
 from megatron_rl.pipeline.consumer import BatchSummary, Pipeline, PipelineSettings, summarize
-from megatron_rl.pipeline.producer import (
-    Detokenize,
-    GroupScoring,
-    OverlongShaping,
-    PromptItem,
-    PromptSource,
-    RewardCallable,
-    score_group,
-)
+from megatron_rl.pipeline.producer import PromptSource, RewardCallable, RolloutInputs, StepSpan
 from megatron_rl.pipeline.records import (
     BatchEnd,
     BatchStart,
@@ -28,11 +24,11 @@ from megatron_rl.pipeline.records import (
     Sample,
     ScoredGroup,
     make_micro_batch,
-    request_id,
-    request_seed,
+    sample_from,
     split_group,
     to_token_group,
 )
+from megatron_rl.pipeline.scoring import GroupScoring, OverlongShaping, failed_group, score_group
 from megatron_rl.pipeline.versions import (
     PIPELINE_MODES,
     PipelineMode,
@@ -47,7 +43,6 @@ __all__ = [
     "BatchEnd",
     "BatchStart",
     "BatchSummary",
-    "Detokenize",
     "GroupScoring",
     "MicroBatch",
     "OverlongShaping",
@@ -56,17 +51,20 @@ __all__ = [
     "PipelineMode",
     "PipelineSettings",
     "PolicyVersions",
-    "PromptItem",
     "PromptSource",
     "RewardCallable",
+    "RolloutInputs",
     "Sample",
     "ScoredGroup",
     "StalenessStats",
     "StepBatch",
+    "StepSpan",
     "VersionSchedule",
+    "failed_group",
     "make_micro_batch",
     "request_id",
     "request_seed",
+    "sample_from",
     "score_group",
     "split_group",
     "staleness_stats",

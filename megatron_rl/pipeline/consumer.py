@@ -1,7 +1,7 @@
 """The consumer side: ``Pipeline`` owns the producer thread and hands the trainer one step at a time.
 
-    with Pipeline(engine=..., prompts=..., reward_fn=..., detokenize=..., controller=...,
-                  sampling=..., scoring=..., settings=..., start_step=s0, num_steps=n) as pipe:
+    inputs = RolloutInputs(engine=..., prompts=..., generator=..., reward_fn=..., controller=..., scoring=...)
+    with Pipeline(inputs, settings, StepSpan(start_step=s0, num_steps=n)) as pipe:
         for _ in range(n):
             batch = pipe.begin_step()                      # this step's groups, as they arrive
             for mini_batch in batch.mini_batches():        # prompt order (``batching``)
@@ -30,19 +30,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from megatron_rl.config.fields import require_values
 from megatron_rl.config.schema import PipelineConfig, SamplingConfig, TrainerConfig
 from megatron_rl.config.sections import require_valid
-from megatron_rl.control import GroupSizeController
+from megatron_rl.generation.metrics import multiturn_metrics
 from megatron_rl.parallel.world_timeout import generation_timeout
 from megatron_rl.pipeline.batching import StepBatch
-from megatron_rl.pipeline.multiturn import MultiTurnProducer, multiturn_metrics
-from megatron_rl.pipeline.producer import Detokenize, GroupScoring, Producer, PromptSource, RewardCallable
-from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayProducer
+from megatron_rl.pipeline.producer import Producer, RolloutInputs, StepSpan
+from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayInputs, ReplayProducer
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, PipelineError, QueueItem
 from megatron_rl.pipeline.versions import (
     PolicyVersions,
@@ -50,10 +47,6 @@ from megatron_rl.pipeline.versions import (
     VersionSchedule,
     staleness_stats,
 )
-from megatron_rl.rollout.types import RolloutEngine, SamplingSettings
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.multiturn import MultiTurnRollout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,92 +139,54 @@ class Pipeline:
 
     def __init__(
         self,
-        *,
-        engine: RolloutEngine,
-        prompts: PromptSource,
-        reward_fn: RewardCallable,
-        detokenize: Detokenize,
-        controller: GroupSizeController,
-        sampling: SamplingSettings,
-        scoring: GroupScoring,
+        inputs: RolloutInputs | ReplayInputs,
         settings: PipelineSettings,
-        num_steps: int,
-        start_step: int = 0,
+        steps: StepSpan,
+        *,
         record: str | Path | None = None,
-        replay: str | Path | None = None,
         extra_metrics: Callable[[], dict[str, float]] | None = None,
         replicas: int = 1,
-        multiturn: MultiTurnRollout | None = None,
     ) -> None:
-        """``record``: write every queue item to this JSONL file; ``replay``: feed the queue from such
-        a file instead of generating (``engine`` is then a ``recording.NullEngine``);
-        ``extra_metrics``: counters added to every step's summary (data skipped, reward failures);
-        ``replicas``: data-parallel replicas the micro-batches are routed to (``pipeline.dispatch``);
-        ``multiturn``: generate multi-turn trajectories with it (``pipeline.multiturn``)."""
-        if num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {num_steps}")
-        self.settings, self._engine = settings, engine
+        """``inputs``: what generates the batches, or a recording replayed instead (``replaying``);
+        ``record``: write every queue item to this JSONL file; ``extra_metrics``: counters added
+        to every step's summary (data skipped, reward failures); ``replicas``: data-parallel
+        replicas the micro-batches are routed to (``pipeline.dispatch``)."""
+        self.settings, self._engine = settings, inputs.engine
         self._queue: queue.Queue[QueueItem] = queue.Queue(maxsize=settings.queue_size)
-        base = engine.weight_version
+        base = inputs.engine.weight_version
         self.versions = PolicyVersions(base)
         self.schedule = VersionSchedule(mode=settings.mode, max_staleness=settings.max_staleness, base_version=base)
-        self._start_step, self._num_steps, self._batch_index = start_step, num_steps, 0
+        self._start_step, self._num_steps, self._batch_index = steps.start_step, steps.num_steps, 0
         self._recorder = QueueRecorder(record) if record is not None else None
-        if replay is not None:
-            self._producer = ReplayProducer(
-                replay, out=self._queue, start_step=start_step, num_steps=num_steps, poll_s=settings.poll_s
-            )
-        else:
-            self._producer = (Producer if multiturn is None else partial(MultiTurnProducer, multiturn=multiturn))(
-                engine=engine,
-                prompts=prompts,
-                reward_fn=reward_fn,
-                detokenize=detokenize,
-                controller=controller,
-                versions=self.versions,
-                schedule=self.schedule,
-                sampling=sampling,
-                scoring=scoring,
-                out=self._queue,
-                start_step=start_step,
-                num_steps=num_steps,
-                seed=settings.seed,
-                poll_s=settings.poll_s,
-                record=self._recorder,
-            )
+        self._producer = self._make_producer(inputs, steps)
         self._extra_metrics = extra_metrics or dict
         self._replicas = replicas
         self._current: StepBatch | None = None
         self._wait_s = 0.0
         self._started = self._closed = False
 
+    def _make_producer(self, inputs: RolloutInputs | ReplayInputs, steps: StepSpan) -> Producer | ReplayProducer:
+        poll_s = self.settings.poll_s
+        if isinstance(inputs, ReplayInputs):
+            return ReplayProducer(inputs.path, steps, out=self._queue, poll_s=poll_s)
+        return Producer(
+            inputs,
+            steps,
+            versions=self.versions,
+            schedule=self.schedule,
+            out=self._queue,
+            seed=self.settings.seed,
+            poll_s=poll_s,
+            record=self._recorder,
+        )
+
     @classmethod
     def replaying(
-        cls,
-        path: str | Path,
-        *,
-        engine: NullEngine,
-        settings: PipelineSettings,
-        num_steps: int,
-        start_step: int = 0,
-        replicas: int = 1,
+        cls, path: str | Path, *, engine: NullEngine, settings: PipelineSettings, steps: StepSpan, replicas: int
     ) -> Pipeline:
         """A pipeline fed by a recording (``rollout.record``) instead of engines: no reward function,
         prompts or controller; ``engine`` only counts versions (``python -m megatron_rl replay``)."""
-        return cls(
-            engine=engine,
-            prompts=None,
-            reward_fn=None,
-            detokenize=None,
-            controller=None,
-            sampling=None,
-            scoring=None,
-            settings=settings,
-            num_steps=num_steps,
-            start_step=start_step,
-            replay=path,
-            replicas=replicas,
-        )
+        return cls(ReplayInputs(path=Path(path), engine=engine), settings, steps, replicas=replicas)
 
     def start(self) -> Pipeline:
         """Start the producer thread (idempotent)."""

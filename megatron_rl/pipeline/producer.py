@@ -1,16 +1,20 @@
-"""The producer thread: prompts -> G requests each -> engine -> rewards -> scored groups -> queue.
+"""The producer thread: prompts -> generator -> rewards -> scored groups -> queue.
 
 Per batch i (step = start_step + i) the thread
 1. waits until the engine has loaded the version the ``VersionSchedule`` requires,
 2. asks the controller for G and the prompt source for the batch's prompts, and puts a
    ``BatchStart``,
-3. sends every (prompt, k) request to the engine in one ``generate`` call (seeded per request,
-   see ``records.request_seed``),
-4. submits each result's reward as it completes (``reward_fn.submit`` when it has one, e.g. a
+3. runs the generator over the batch (``generation.Generator``: single-turn, multi-turn or any
+   registered one), which yields a ``Trajectory`` per (prompt, k) as it finishes, or a
+   ``FailedGroup`` for a prompt given up (put as an empty, not-kept group: ``failed_group``);
+   every engine result's weight version is checked against the schedule,
+4. scores each trajectory as it arrives: the environment's reward when it carries one, else the
+   task reward of its last text (``reward_fn.submit`` when it has one, e.g. a
    ``rewards.RewardPool`` scoring in worker processes, else called in this thread); when a
-   prompt's G samples are scored, shapes the rewards, computes the group's advantages and
-   dynamic-sampling verdict and puts the ``ScoredGroup`` on the bounded queue (blocking while
-   it is full); ``BatchEnd.reward_s`` is the time this thread spent in or waiting for rewards,
+   prompt's G samples are scored (``records.sample_from``), shapes the rewards (DAPO overlong:
+   the generator says what it measures), computes the group's advantages and dynamic-sampling
+   verdict and puts the ``ScoredGroup`` on the bounded queue (blocking while it is full);
+   ``BatchEnd.reward_s`` is the time this thread spent in or waiting for rewards,
 5. after the last group, lets the controller observe the batch's response lengths and puts a
    ``BatchEnd`` carrying the controller's metrics and state.
 
@@ -35,12 +39,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-import torch
-
-from megatron_rl.algorithms import AdvantageScale, dynamic_sampling_keep, group_advantages, overlong_reward_delta
-from megatron_rl.config.fields import require_values
-from megatron_rl.config.schema import AdvantageConfig, AlgorithmConfig
 from megatron_rl.control import GroupSizeController
+from megatron_rl.generation.base import BatchRequest, FailedGroup, Generator, PromptItem, Trajectory, request_id
 from megatron_rl.pipeline.records import (
     BatchEnd,
     BatchStart,
@@ -48,28 +48,11 @@ from megatron_rl.pipeline.records import (
     Sample,
     ScoredGroup,
     put_unless_stopped,
-    request_id,
-    request_seed,
+    sample_from,
 )
+from megatron_rl.pipeline.scoring import GroupScoring, failed_group, score_group
 from megatron_rl.pipeline.versions import PolicyVersions, VersionSchedule
-from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine, SamplingSettings
-
-
-class PromptRecordLike(Protocol):
-    """What the pipeline needs of a prompt record (``data.PromptRecord`` fits)."""
-
-    @property
-    def prompt_id(self) -> str: ...
-
-
-class PromptItem(Protocol):
-    """A record and its prompt token ids (``data.TokenizedPrompt`` fits)."""
-
-    @property
-    def record(self) -> PromptRecordLike: ...
-
-    @property
-    def token_ids(self) -> tuple[int, ...]: ...
+from megatron_rl.rollout.types import RolloutEngine
 
 
 class PromptSource(Protocol):
@@ -79,57 +62,34 @@ class PromptSource(Protocol):
 
 
 RewardCallable = Callable[[Any, str], float]  # (record, decoded response) -> reward; rewards.RewardFn fits
-Detokenize = Callable[[Sequence[int]], str]  # response token ids -> text
 
 
 @dataclass(frozen=True, kw_only=True)
-class OverlongShaping:
-    """DAPO soft overlong punishment added to the task reward (``overlong_reward_delta``)."""
+class RolloutInputs:
+    """What generates and scores a run's batches (built once, at the composition root)."""
 
-    max_len: int
-    buffer: int
-    penalty: float = 1.0
+    engine: RolloutEngine
+    prompts: PromptSource
+    generator: Generator
+    reward_fn: RewardCallable  # the task reward, for trajectories without an environment reward
+    controller: GroupSizeController  # chooses G per batch; the producer thread owns it
+    scoring: GroupScoring
 
 
 @dataclass(frozen=True, kw_only=True)
-class GroupScoring:
-    """How a finished group is scored."""
+class StepSpan:
+    """The steps a pipeline runs: ``start_step`` (a resumed run's step) and ``num_steps`` after it."""
 
-    advantage_scale: AdvantageScale = AdvantageConfig.scale  # "group" (GRPO) or "none" (Dr.GRPO); not "batch"
-    dynamic_sampling: bool = AlgorithmConfig.dynamic_sampling  # DAPO: drop groups whose rewards are all equal
-    overlong: OverlongShaping | None = None
-    eps: float = AdvantageConfig.eps  # added to the group std before dividing (algorithm.advantage.eps)
+    num_steps: int
+    start_step: int = 0
 
     def __post_init__(self) -> None:
-        # the config's rules: groups are scored as they complete, so 'batch' is refused
-        require_values({"algorithm.advantage.scale": self.advantage_scale, "algorithm.advantage.eps": self.eps})
+        if self.num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
 
-
-def score_group(
-    *,
-    step: int,
-    prompt_index: int,
-    samples: Sequence[Sample],
-    scoring: GroupScoring,
-    lengths: Sequence[int] | None = None,
-) -> ScoredGroup:
-    """Shaped rewards ``[G]``, advantages ``[G]`` and the dynamic-sampling verdict of one group;
-    ``lengths``: what overlong shaping measures (default: each response's length)."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    if scoring.overlong is not None:
-        lengths = torch.tensor([len(s.response_ids) for s in samples] if lengths is None else list(lengths))
-        o = scoring.overlong
-        rewards = rewards + overlong_reward_delta(lengths, max_len=o.max_len, buffer=o.buffer, penalty=o.penalty)
-    kept = bool(dynamic_sampling_keep(rewards[None])[0]) if scoring.dynamic_sampling else True
-    return ScoredGroup(
-        step=step,
-        prompt_index=prompt_index,
-        prompt_id=samples[0].prompt_id,
-        samples=tuple(samples),
-        rewards=rewards,
-        kept=kept,
-        advantages=group_advantages(rewards[None], scale=scoring.advantage_scale, eps=scoring.eps)[0],
-    )
+    @property
+    def steps(self) -> range:
+        return range(self.start_step, self.start_step + self.num_steps)
 
 
 class _Stopped(Exception):
@@ -143,10 +103,11 @@ class _PendingBatch:
     step: int
     items: Sequence[PromptItem]
     group_size: int
+    source_state: Mapping[str, Any] | None  # the prompt source's state_dict() after drawing the batch
     where: dict[str, tuple[int, int]]  # request id -> (prompt index, k), removed when answered
     slots: list[list[Sample | None]]
     dropped: int = 0
-    scoring: list[tuple[int, int, GenerationResult, Future]] = field(default_factory=list)  # (p, k, result, reward)
+    scoring: list[tuple[int, int, Trajectory, Future]] = field(default_factory=list)  # (p, k, trajectory, reward)
 
 
 class Producer:
@@ -154,28 +115,19 @@ class Producer:
 
     def __init__(
         self,
+        inputs: RolloutInputs,
+        steps: StepSpan,
         *,
-        engine: RolloutEngine,
-        prompts: PromptSource,
-        reward_fn: RewardCallable,
-        detokenize: Detokenize,
-        controller: GroupSizeController,
         versions: PolicyVersions,
         schedule: VersionSchedule,
-        sampling: SamplingSettings,
-        scoring: GroupScoring,
         out: queue.Queue[QueueItem],
-        start_step: int,
-        num_steps: int,
         seed: int,
         poll_s: float,
-        record: Callable[[QueueItem], None] | None = None,
+        record: Callable[[QueueItem], None] | None,
     ) -> None:
-        self._engine, self._prompts, self._reward_fn, self._detokenize = engine, prompts, reward_fn, detokenize
-        self._controller = controller
-        self._versions, self._schedule, self._sampling, self._scoring = versions, schedule, sampling, scoring
+        """``seed``: base of the per-request sampling seeds; ``record``: sees every queue item."""
+        self._inputs, self._steps, self._versions, self._schedule = inputs, steps, versions, schedule
         self._out, self._seed, self._poll_s, self._record = out, seed, poll_s, record
-        self._start_step, self._num_steps = start_step, num_steps
         self._reward_s = 0.0  # seconds in reward_fn for the batch being generated
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -205,69 +157,55 @@ class Producer:
 
     def _run(self) -> None:
         try:
-            for i in range(self._num_steps):
+            for i in range(self._steps.num_steps):
                 self._produce_batch(i)
         except _Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 -- handed to the consumer, which re-raises it
             self._error = exc
 
-    def _open_batch(self, i: int) -> tuple[_PendingBatch, list[PromptItem], int, Mapping[str, Any] | None]:
-        """Wait for batch ``i``'s weights, choose G, draw its prompts and put its ``BatchStart``:
-        (pending batch, prompts, G, the prompt source's state before the draw)."""
-        if not self._versions.wait_for(self._schedule.required_version(i), self._stop, self._poll_s):
-            raise _Stopped
-        group_size = self._controller.choose()
-        items = list(self._prompts.next_batch())
-        state_fn = getattr(self._prompts, "state_dict", None)
-        source_state: Mapping[str, Any] | None = state_fn() if callable(state_fn) else None
-        batch = self._new_batch(self._start_step + i, items, group_size)
-        self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
-        return batch, items, group_size, source_state
-
-    def _close_batch(
-        self,
-        batch: _PendingBatch,
-        num_prompts: int,
-        group_size: int,
-        source_state: Mapping[str, Any] | None,
-        generation_s: float,
-    ) -> None:
-        """Show the controller the batch's response lengths and put its ``BatchEnd``."""
-        lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
-        self._controller.observe(lengths)
-        self._put(
-            BatchEnd(
-                step=batch.step,
-                group_size=group_size,
-                response_lengths=lengths,
-                groups_produced=num_prompts,
-                groups_dropped=batch.dropped,
-                source_state=source_state,
-                generation_s=generation_s,
-                reward_s=self._reward_s,
-                control_metrics=dict(self._controller.metrics()),
-                controller_state=self._controller.state_dict(),
-            )
-        )
-
     def _produce_batch(self, i: int) -> None:
-        batch, items, group_size, source_state = self._open_batch(i)
-        requests = [
-            self._request(batch.step, it.record.prompt_id, it.token_ids, k) for it in items for k in range(group_size)
-        ]
+        batch = self._open_batch(i)
+        request = BatchRequest(
+            step=batch.step, items=tuple(batch.items), group_size=batch.group_size, base_seed=self._seed
+        )
         start, self._reward_s = time.perf_counter(), 0.0
-        for result in self._engine.generate(requests):
+        for out in self._inputs.generator.run(
+            self._inputs.engine,
+            request,
+            stop=self._stop,
+            check_version=lambda rid, version: self._schedule.check_sample(i, version, rid),
+        ):
             if self._stop.is_set():
                 raise _Stopped
-            self._accept(i, batch, result)
+            if isinstance(out, FailedGroup):
+                self._drop_failed_group(batch, out)
+            else:
+                self._accept(batch, out)
+        if self._stop.is_set():
+            raise _Stopped
         self._harvest(batch, wait=True)
         if batch.where:
-            missing = next(iter(batch.where))
-            raise RuntimeError(f"engine returned no result for {len(batch.where)} requests, e.g. {missing!r}")
-        self._close_batch(batch, len(items), group_size, source_state, time.perf_counter() - start)
+            raise RuntimeError(
+                f"no trajectory came back for {len(batch.where)} requests, e.g. {next(iter(batch.where))!r}"
+            )
+        self._close_batch(batch, time.perf_counter() - start)
 
-    def _new_batch(self, step: int, items: Sequence[PromptItem], group_size: int) -> _PendingBatch:
+    def _open_batch(self, i: int) -> _PendingBatch:
+        """Wait for batch ``i``'s weights, choose G, draw its prompts and put its ``BatchStart``."""
+        if not self._versions.wait_for(self._schedule.required_version(i), self._stop, self._poll_s):
+            raise _Stopped
+        group_size = self._inputs.controller.choose()
+        prompts = self._inputs.prompts
+        items = list(prompts.next_batch())
+        state_fn = getattr(prompts, "state_dict", None)
+        batch = self._new_batch(self._steps.steps[i], items, group_size, state_fn() if callable(state_fn) else None)
+        self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
+        return batch
+
+    def _new_batch(
+        self, step: int, items: Sequence[PromptItem], group_size: int, source_state: Mapping[str, Any] | None
+    ) -> _PendingBatch:
         where: dict[str, tuple[int, int]] = {}
         for p, item in enumerate(items):
             for k in range(group_size):
@@ -276,33 +214,65 @@ class Producer:
                     raise ValueError(f"prompt_id {item.record.prompt_id!r} appears twice in the batch of step {step}")
                 where[rid] = (p, k)
         return _PendingBatch(
-            step=step, items=items, group_size=group_size, where=where, slots=[[None] * group_size for _ in items]
+            step=step,
+            items=items,
+            group_size=group_size,
+            source_state=source_state,
+            where=where,
+            slots=[[None] * group_size for _ in items],
         )
 
-    def _request(self, step: int, prompt_id: str, prompt_ids: Sequence[int], k: int) -> GenerationRequest:
-        sampling = replace(self._sampling, seed=request_seed(self._seed, step, prompt_id, k))
-        return GenerationRequest(
-            request_id=request_id(step, prompt_id, k), prompt_ids=tuple(prompt_ids), sampling=sampling
+    def _close_batch(self, batch: _PendingBatch, generation_s: float) -> None:
+        """Show the controller the batch's response lengths and put its ``BatchEnd``."""
+        controller = self._inputs.controller
+        lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
+        controller.observe(lengths)
+        self._put(
+            BatchEnd(
+                step=batch.step,
+                group_size=batch.group_size,
+                response_lengths=lengths,
+                groups_produced=len(batch.items),
+                groups_dropped=batch.dropped,
+                source_state=batch.source_state,
+                generation_s=generation_s,
+                reward_s=self._reward_s,
+                control_metrics=dict(controller.metrics()),
+                controller_state=controller.state_dict(),
+            )
         )
 
-    def _accept(self, i: int, batch: _PendingBatch, result: GenerationResult) -> None:
-        """Check one result and submit its reward; put the groups scored so far (``_harvest``)."""
-        if result.request_id not in batch.where:
-            raise RuntimeError(f"engine returned an unknown or duplicate request id {result.request_id!r}")
-        p, k = batch.where.pop(result.request_id)
-        self._schedule.check_sample(i, result.weight_version, result.request_id)
-        start = time.perf_counter()
-        batch.scoring.append((p, k, result, self._submit(batch.items[p].record, result.response_ids)))
-        self._reward_s += time.perf_counter() - start
+    def _drop_failed_group(self, batch: _PendingBatch, failed: FailedGroup) -> None:
+        """Give up a prompt the generator could not start: its (prompt, k) slots are answered by
+        one empty, not-kept group (``failed_group``)."""
+        p, record = failed.prompt_index, batch.items[failed.prompt_index].record
+        for k in range(batch.group_size):
+            if batch.where.pop(request_id(batch.step, record.prompt_id, k), None) is None:
+                raise RuntimeError(f"failed group {failed.base!r}: trajectory {k} was already answered")
+        self._put(failed_group(step=batch.step, prompt_index=p, prompt_id=record.prompt_id))
+
+    def _accept(self, batch: _PendingBatch, trajectory: Trajectory) -> None:
+        """Check one trajectory and submit its reward; put the groups scored so far (``_harvest``)."""
+        if trajectory.request_id not in batch.where:
+            raise RuntimeError(f"the generator yielded an unknown or duplicate trajectory {trajectory.request_id!r}")
+        p, k = batch.where.pop(trajectory.request_id)
+        batch.scoring.append((p, k, trajectory, self._reward(batch.items[p].record, trajectory)))
         self._harvest(batch, wait=False)
 
-    def _submit(self, record: Any, response_ids: Sequence[int]) -> Future:
-        text = self._detokenize(response_ids)
-        submit = getattr(self._reward_fn, "submit", None)
-        if submit is not None:
-            return submit(record, text)
+    def _reward(self, record: Any, trajectory: Trajectory) -> Future:
+        """The environment's reward when the trajectory has one, else the task reward of its last
+        text (a reward pool's ``submit`` when it has one: scored off this thread)."""
         future: Future = Future()
-        future.set_result(self._reward_fn(record, text))
+        if trajectory.reward is not None:
+            future.set_result(trajectory.reward)
+            return future
+        start, reward_fn = time.perf_counter(), self._inputs.reward_fn
+        submit = getattr(reward_fn, "submit", None)
+        if submit is not None:
+            future = submit(record, trajectory.last_text)
+        else:
+            future.set_result(reward_fn(record, trajectory.last_text))
+        self._reward_s += time.perf_counter() - start
         return future
 
     def _harvest(self, batch: _PendingBatch, *, wait: bool) -> None:
@@ -317,30 +287,27 @@ class Producer:
             finished = [t[3].done() for t in batch.scoring]  # one look per future: it may finish meanwhile
             done = [t for t, f in zip(batch.scoring, finished, strict=True) if f]
             batch.scoring = [t for t, f in zip(batch.scoring, finished, strict=True) if not f]
-            for p, k, result, future in done:
-                self._place(batch, p, k, result, float(future.result()))
+            for p, k, trajectory, future in done:
+                self._place(batch, p, k, sample_from(trajectory, batch.items[p], float(future.result())))
             if not wait:
                 return
 
-    def _place(self, batch: _PendingBatch, p: int, k: int, result: GenerationResult, reward: float) -> None:
+    def _place(self, batch: _PendingBatch, p: int, k: int, sample: Sample) -> None:
         """Store one scored sample; put its group on the queue if it completed the group."""
-        record = batch.items[p].record
-        batch.slots[p][k] = Sample(
-            prompt_id=record.prompt_id,
-            request_id=result.request_id,
-            index=k,
-            prompt_ids=tuple(batch.items[p].token_ids),
-            response_ids=result.response_ids,
-            behav_logprobs=result.logprobs,
-            weight_version=result.weight_version,
-            finish_reason=result.finish_reason,
-            reward=reward,
-            routed_experts=result.routed_experts,
-        )
+        batch.slots[p][k] = sample
         if all(s is not None for s in batch.slots[p]):
-            group = score_group(step=batch.step, prompt_index=p, samples=batch.slots[p], scoring=self._scoring)
+            group = self._score(batch.step, p, batch.slots[p])
             batch.dropped += not group.kept
             self._put(group)
+
+    def _score(self, step: int, p: int, samples: Sequence[Sample]) -> ScoredGroup:
+        """``score_group`` with overlong shaping measured the generator's way."""
+        scoring, lengths = self._inputs.scoring, None
+        if scoring.overlong is not None:
+            measured = self._inputs.generator.overlong_lengths(samples, scoring.overlong.max_len)
+            scoring = replace(scoring, overlong=replace(scoring.overlong, max_len=measured.max_len))
+            lengths = measured.lengths
+        return score_group(step=step, prompt_index=p, samples=samples, scoring=scoring, lengths=lengths)
 
     def _put(self, item: QueueItem) -> None:
         if self._record is not None:

@@ -19,12 +19,14 @@ import json
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from megatron_rl.pipeline.producer import StepSpan
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, QueueItem, Sample, ScoredGroup, put_unless_stopped
 from megatron_rl.rollout.types import RoutedExperts
 
@@ -124,15 +126,22 @@ def read_recording(path: str | Path, *, start_step: int = 0) -> Iterator[QueueIt
                 yield item
 
 
-class ReplayProducer:
-    """Stands in for the producer thread: puts a recording's items of ``num_steps`` steps on the
-    queue (same contract: never raises, ``error`` holds a failure, ``stop()`` ends it)."""
+@dataclass(frozen=True, kw_only=True)
+class ReplayInputs:
+    """What a replayed run generates from: a recording (``rollout.record``) instead of engines,
+    prompts, a reward function or a controller; ``engine`` only counts versions."""
 
-    def __init__(
-        self, path: str | Path, *, out: queue.Queue[QueueItem], start_step: int, num_steps: int, poll_s: float
-    ) -> None:
+    path: Path
+    engine: NullEngine
+
+
+class ReplayProducer:
+    """Stands in for the producer thread: puts a recording's items of ``steps`` on the queue (same
+    contract: never raises, ``error`` holds a failure, ``stop()`` ends it)."""
+
+    def __init__(self, path: str | Path, steps: StepSpan, *, out: queue.Queue[QueueItem], poll_s: float) -> None:
         self._path, self._out, self._poll_s = Path(path), out, poll_s
-        self._steps = range(start_step, start_step + num_steps)
+        self._steps = steps.steps
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="megatron_rl-producer", daemon=True)

@@ -2,22 +2,22 @@
 to tensors.
 
 Flow: before generating a batch the producer puts a ``BatchStart`` (how many prompts, which
-G); it turns each engine ``GenerationResult`` into a ``Sample`` (with its task reward),
-collects a prompt's G samples into a ``ScoredGroup`` (shaped rewards, group advantages, the
-dynamic-sampling verdict) and, after the batch's last group, a ``BatchEnd`` marker (every
-response length of the step, group counts, the prompt source's state, what the group-size
-controller observed). The consumer turns kept groups into ``MicroBatch``es with
-``make_micro_batch``: the only place where samples become tensors. A group that packs to
-more tokens than a micro-batch holds is split by ``split_group`` into parts that share its
-prompt (its advantages were computed on the whole group, so the loss is unchanged).
+G); it turns each generated ``Trajectory`` into a ``Sample`` with its task reward
+(``sample_from``, the one conversion), collects a prompt's G samples into a ``ScoredGroup``
+(shaped rewards, group advantages, the dynamic-sampling verdict) and, after the batch's last
+group, a ``BatchEnd`` marker (every response length of the step, group counts, the prompt
+source's state, what the group-size controller observed). The consumer turns kept groups into
+``MicroBatch``es with ``make_micro_batch``: the only place where samples become tensors. A
+group that packs to more tokens than a micro-batch holds is split by ``split_group`` into parts
+that share its prompt (its advantages were computed on the whole group, so the loss is unchanged).
 
 Request ids are ``"<step>/<prompt_id>/<k>"``; the per-request seed is a hash of
-(base seed, step, prompt_id, k), so re-runs and every pipeline mode draw the same samples.
+(base seed, step, prompt_id, k), so re-runs and every pipeline mode draw the same samples
+(``generation.base.request_id`` / ``request_seed``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, concat_groups, greedy_chunks, pack_group
+from megatron_rl.generation.base import PromptItem, Trajectory
 from megatron_rl.rollout.types import RoutedExperts
 
 
@@ -46,17 +47,6 @@ def put_unless_stopped(out: queue.Queue, item: QueueItem, stop: threading.Event,
     return False
 
 
-def request_id(step: int, prompt_id: str, k: int) -> str:
-    """Unique id of sample ``k`` of prompt ``prompt_id`` at ``step``: ``"<step>/<prompt_id>/<k>"``."""
-    return f"{step}/{prompt_id}/{k}"
-
-
-def request_seed(base_seed: int, step: int, prompt_id: str, k: int) -> int:
-    """Deterministic 63-bit sampling seed of one request (blake2b of the four values)."""
-    digest = hashlib.blake2b(f"{base_seed}|{step}|{prompt_id}|{k}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Sample:
     """One scored response: what the engine sampled and the task reward it earned."""
@@ -70,7 +60,7 @@ class Sample:
     weight_version: int  # policy version that generated every token
     finish_reason: Literal["stop", "length"]
     reward: float  # task reward from the reward function (before overlong shaping)
-    # Multi-turn trajectories (rollout.multiturn): the response holds model turns and the
+    # Multi-turn trajectories (generation.multi_turn): the response holds model turns and the
     # observations spliced between them; single-turn samples keep these defaults.
     loss_mask: tuple[int, ...] | None = None  # [Lr] 1 = model token (trained), 0 = observation (no gradient)
     turns: int = 1  # model turns
@@ -101,6 +91,32 @@ class Sample:
                 f"request {self.request_id!r}: {len(self.behav_logprobs)} log-probs for "
                 f"{len(self.response_ids)} response tokens"
             )
+
+
+def sample_from(trajectory: Trajectory, item: PromptItem, reward: float) -> Sample:
+    """The ``Sample`` of a generated ``trajectory`` of prompt ``item`` with its task ``reward``:
+    the one place a generator's output becomes a pipeline record."""
+    return Sample(
+        prompt_id=item.record.prompt_id,
+        request_id=trajectory.request_id,
+        index=trajectory.k,
+        prompt_ids=trajectory.prompt_ids,
+        response_ids=trajectory.response_ids,
+        behav_logprobs=trajectory.behav_logprobs,
+        weight_version=trajectory.turn_versions[0],
+        finish_reason=trajectory.finish_reason,
+        reward=reward,
+        loss_mask=trajectory.loss_mask,
+        turns=trajectory.turns,
+        tool_calls=trajectory.tool_calls,
+        tool_errors=trajectory.tool_errors,
+        env_failures=trajectory.env_failures,
+        env_s=trajectory.env_s,
+        truncated=trajectory.truncated,
+        turn_prompt_tokens=trajectory.turn_prompt_tokens,
+        cached_tokens=trajectory.cached_tokens,
+        routed_experts=trajectory.routed_experts,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -6,18 +6,15 @@ objects, built here.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from functools import partial
-
 from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrection
 from megatron_rl.config import Config
 from megatron_rl.control import SAGCSettings
 from megatron_rl.data import TokenizedPrompt, load_prompts
 from megatron_rl.data.prompts import DataReport
+from megatron_rl.generation import Generator, GeneratorSetup, build_generator
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
 from megatron_rl.rewards import GuardedReward, load_guarded_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings
-from megatron_rl.rollout.multiturn import MultiTurnRollout, MultiTurnSettings
 from megatron_rl.trainer import build
 from megatron_rl.trainer.build import TrainerSettings
 from megatron_rl.trimodel import TriModelPlan
@@ -90,35 +87,13 @@ def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
     )
 
 
-def multiturn_rollout(cfg: Config, tokenizer, sampling: SamplingSettings) -> MultiTurnRollout | None:
-    """``environment``: None for ``kind: none`` (one response per prompt), else the multi-turn
-    rollout: a fresh environment per trajectory, their steps on a runner (timeouts, failure
-    count), the tokenizer's chat template for prompts and observations, and ``sampling`` with the
-    template's end-of-turn token among the stop ids."""
-    e = cfg.environment
-    if e.kind == "none":
-        return None
-    from megatron_rl.environments import load_environment
-    from megatron_rl.environments.runner import EnvironmentRunner
-    from megatron_rl.environments.template import end_of_turn_id, observation_ids, prompt_ids
-
-    factory = load_environment(e.kind, **e.options)
-    stop = (*sampling.stop_token_ids, end_of_turn_id(tokenizer, factory().tools))
-    settings = MultiTurnSettings(
-        max_turns=e.max_turns,
-        max_total_tokens=e.max_total_tokens,
-        encode_prompt=partial(prompt_ids, tokenizer),
-        encode_observation=partial(observation_ids, tokenizer),
-        decode=partial(tokenizer.decode, skip_special_tokens=True),
-        instruction=cfg.data.instruction,
+def generator(cfg: Config, tokenizer, sampling: SamplingSettings) -> Generator:
+    """The generator of ``environment``: ``single_turn`` for ``kind: none`` (one response per
+    prompt), else ``multi_turn`` (the environment's turns, ``generation.multi_turn``)."""
+    setup = GeneratorSetup(
+        sampling=sampling, tokenizer=tokenizer, environment=cfg.environment, instruction=cfg.data.instruction
     )
-    runner = EnvironmentRunner(timeout_s=e.step_timeout_s, max_failures=e.max_failures)
-    return MultiTurnRollout(
-        settings=settings,
-        env_factory=factory,
-        runner=runner,
-        sampling=replace(sampling, stop_token_ids=tuple(dict.fromkeys(stop))),
-    )
+    return build_generator("single_turn" if cfg.environment.kind == "none" else "multi_turn", setup)
 
 
 def reward_fn(cfg: Config) -> GuardedReward:

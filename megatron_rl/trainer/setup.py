@@ -22,7 +22,7 @@ from megatron_rl.config.errors import Problem
 from megatron_rl.control import GroupSizeController, load_controller
 from megatron_rl.data import PromptStream
 from megatron_rl.parallel.state import ParallelLayout, initialize_parallel
-from megatron_rl.pipeline import Pipeline
+from megatron_rl.pipeline import Pipeline, RolloutInputs, StepSpan
 from megatron_rl.pipeline.recording import NullEngine
 from megatron_rl.platform import Platform
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
@@ -86,8 +86,7 @@ def build_run(
             replay,
             engine=replica.engine,
             settings=from_config.pipeline_settings(cfg),
-            num_steps=cfg.trainer.steps - first,
-            start_step=first,
+            steps=StepSpan(start_step=first, num_steps=cfg.trainer.steps - first),
             replicas=layout.dp,
         )
     else:
@@ -191,7 +190,7 @@ def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeControlle
 
 
 def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, *, replicas: int = 1) -> Pipeline:
-    """Prompts, guarded reward, controller and sampling wired into the producer/consumer pipeline
+    """Prompts, generator, guarded reward, controller and scoring wired into the producer/consumer pipeline
     (continuing a checkpoint's prompt stream, controller state and step count when resuming),
     routing micro-batches to ``replicas`` data-parallel replicas.
     What the data loader skipped is printed once; the pipeline's ``extra_metrics`` reports the
@@ -206,22 +205,21 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     if resume and resume.prompt_stream:
         stream.load_state_dict(resume.prompt_stream)
     start, reward = (resume.step if resume else 0), from_config.reward_fn(cfg)
-    sampling = from_config.sampling_settings(cfg, tokenizer)
-    return Pipeline(
+    inputs = RolloutInputs(
         engine=engine,
         prompts=stream,
         reward_fn=reward,
-        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         controller=build_controller(cfg, resume),
-        sampling=sampling,
+        generator=from_config.generator(cfg, tokenizer, from_config.sampling_settings(cfg, tokenizer)),
         scoring=from_config.group_scoring(cfg),
-        settings=from_config.pipeline_settings(cfg),
-        num_steps=cfg.trainer.steps - start,
-        start_step=start,
+    )
+    return Pipeline(
+        inputs,
+        from_config.pipeline_settings(cfg),
+        StepSpan(start_step=start, num_steps=cfg.trainer.steps - start),
         record=cfg.rollout.record,
         extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()},
         replicas=replicas,
-        multiturn=from_config.multiturn_rollout(cfg, tokenizer, sampling),
     )
 
 

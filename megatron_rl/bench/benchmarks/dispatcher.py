@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass
 
 from megatron_rl.control import FixedController
-from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings
+from megatron_rl.generation import SingleTurnGenerator
+from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
 from megatron_rl.pipeline import records as records_mod
 from megatron_rl.rollout.types import GenerationResult, SamplingSettings
 from megatron_rl.trainer.loop import run_step
@@ -201,18 +202,18 @@ def run(args: argparse.Namespace) -> dict:
         reward = RewardPool(
             "megatron_rl.bench.benchmarks.dispatcher:busy_reward", workers=args.reward_workers, timeout_s=600.0
         )
-    pipe = Pipeline(
+    inputs = RolloutInputs(
         engine=fleet,
         prompts=_Prompts(args.prompts, args.prompt_len, args.reward_ms / 1e3),
+        generator=SingleTurnGenerator(
+            sampling=SamplingSettings(max_new_tokens=args.max_response), detokenize=lambda ids: "x" * len(ids)
+        ),
         reward_fn=reward,
-        detokenize=lambda ids: "x" * len(ids),
         controller=FixedController(args.group_size),
-        sampling=SamplingSettings(max_new_tokens=args.max_response),
         scoring=GroupScoring(),
-        settings=PipelineSettings(mode="periodic", seed=1, micro_batch_tokens=args.micro_batch_tokens, queue_size=4096),
-        num_steps=args.steps,
-        replicas=args.replicas,
     )
+    settings = PipelineSettings(mode="periodic", seed=1, micro_batch_tokens=args.micro_batch_tokens, queue_size=4096)
+    pipe = Pipeline(inputs, settings, StepSpan(num_steps=args.steps), replicas=args.replicas)
     replicas = FakeReplicas(fleet)
     cpu, wall, tokens = _run_steps(pipe, replicas, args)
     if args.reward_workers:

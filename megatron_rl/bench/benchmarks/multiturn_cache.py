@@ -26,10 +26,10 @@ from dataclasses import replace
 from megatron_rl.config import load_config
 from megatron_rl.data.sources import read_records
 from megatron_rl.environments.base import record_fields
+from megatron_rl.generation import GroupStart
 from megatron_rl.rollout import build_engine
 from megatron_rl.rollout.engine_wrapper import StreamRecorder
-from megatron_rl.rollout.multiturn import GroupStart
-from megatron_rl.trainer.from_config import engine_settings, multiturn_rollout, sampling_settings
+from megatron_rl.trainer.from_config import engine_settings, generator, sampling_settings
 
 
 def _rollout(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
@@ -38,7 +38,7 @@ def _rollout(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
     engine = build_engine(replace(settings, vllm={**settings.vllm, **vllm}))
     try:
         sampling = replace(sampling_settings(cfg, tokenizer), seed=None)
-        rollout = multiturn_rollout(cfg, tokenizer, sampling)
+        rollout = generator(cfg, tokenizer, sampling)  # multi-turn: the config names an environment
         starts = [
             GroupStart(
                 base=f"0/{r.prompt_id}",
@@ -49,7 +49,9 @@ def _rollout(cfg, tokenizer, records, group: int, vllm: dict) -> dict:
         ]
         begin = time.perf_counter()
         recorder = StreamRecorder(engine)
-        trajectories = list(rollout.run(recorder, starts, group, stop=threading.Event(), check_version=lambda *_: None))
+        trajectories = list(
+            rollout.run_groups(recorder, starts, group, stop=threading.Event(), check_version=lambda *_: None)
+        )
         seconds = time.perf_counter() - begin
     finally:
         engine.shutdown()

@@ -1,8 +1,6 @@
-"""Multi-turn rollouts, token in / token out: model turns from the engine, observations from
-an environment, spliced into one trajectory per (prompt, k).
+"""The turn loop of multi-turn generation: a batch's live trajectories on one ``generate_stream``.
 
-Per trajectory: ``env.reset(record)`` gives the first messages, rendered once with the tools
-(``encode_prompt``): the group's shared prompt. Then, until the environment says done:
+Per trajectory, until the environment says done:
 1. a turn request (prompt = prompt + everything so far, as ids) goes on the engine's
    ``RequestFeed``; it stops at the sampling's stop ids (EOS / end of turn);
 2. its result's ids are appended as they are (mask 1, the engine's behaviour log-probs);
@@ -13,20 +11,13 @@ Per trajectory: ``env.reset(record)`` gives the first messages, rendered once wi
    log-prob 0.0), and the next turn is put on the feed at once.
 Model text is never re-encoded: the trained ids are the engine's and the template's.
 
-Turns of all trajectories of a batch share one ``generate_stream`` call: a trajectory's next
-turn is dispatched while the others decode (no round barrier; no trajectory waits for
-another's tool call). The stream holds the engine, so no weight load happens inside it: every
-turn of a batch runs one weight version, which ``check_version`` (the producer's staleness
-schedule) checks per turn and ``Trajectory`` asserts.
-
-Budgets: at most ``max_turns`` model turns, at most ``max_total_tokens`` prompt + model +
-observation tokens (a turn's ``max_new_tokens`` is cut to what is left; an observation that
-would not fit is not appended). A trajectory ended by a budget rather than by its environment
-is ``truncated``; it always ends with a model token. An environment step that raised or timed
-out ends its trajectory (``env_failures``), the run goes on. A reset that failed for any of a
-group's trajectories (the runner's ``EnvironmentCallFailed``) drops that group: ``run`` yields a
-``FailedGroup`` for it (after every reset of the group returned, so the failures are counted) and
-rolls out the others; past ``environment.max_failures`` the runner's futures raise and the run stops.
+Turns of all trajectories share the stream: a trajectory's next turn is dispatched while the
+others decode (no round barrier; no trajectory waits for another's tool call). Budgets: at
+most ``max_turns`` model turns, at most ``max_total_tokens`` prompt + model + observation
+tokens (a turn's ``max_new_tokens`` is cut to what is left; an observation that would not fit
+is not appended). A trajectory ended by a budget rather than by its environment is
+``truncated``; it always ends with a model token. An environment step that raised or timed
+out ends its trajectory (``env_failures``), the run goes on.
 """
 
 from __future__ import annotations
@@ -39,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from megatron_rl.environments.runner import EnvironmentCallFailed
+from megatron_rl.generation.base import Trajectory
 from megatron_rl.rollout.feed import RequestFeed, StreamingEngine
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 
@@ -69,58 +60,8 @@ class MultiTurnSettings:
     instruction: str | None = None  # data.instruction, appended to the record's last user turn (reset fields)
 
 
-@dataclass(frozen=True, kw_only=True)
-class GroupStart:
-    """One prompt of a batch: its trajectories' id base, what ``reset`` gets, their seeds."""
-
-    base: str  # "<step>/<prompt_id>": trajectory k is "<base>/<k>", its turn t "<base>/<k>/<t>"
-    fields: Mapping[str, Any]  # environments.record_fields(record)
-    seed: Callable[[int, int], int]  # (k, turn) -> the turn's sampling seed
-
-
-@dataclass(frozen=True, kw_only=True)
-class FailedGroup:
-    """A prompt whose environment reset failed: none of its trajectories is rolled out."""
-
-    prompt_index: int
-    base: str  # the group's "<step>/<prompt_id>"
-    error: str  # the first failed reset's message
-
-
-@dataclass(frozen=True, kw_only=True)
-class Trajectory:
-    """One finished trajectory: the response region is every id after the shared prompt."""
-
-    request_id: str  # "<step>/<prompt_id>/<k>" (turns add "/<turn>")
-    prompt_index: int
-    k: int
-    prompt_ids: tuple[int, ...]  # [Lp] shared by the group
-    response_ids: tuple[int, ...]  # [Lr] model and observation tokens, in order
-    loss_mask: tuple[int, ...]  # [Lr] 1 = model token, 0 = observation token
-    behav_logprobs: tuple[float, ...]  # [Lr] the engine's log-prob on model tokens, 0.0 on observations
-    turn_versions: tuple[int, ...]  # weight version of each model turn
-    finish_reason: str  # of the last model turn ("stop" / "length")
-    truncated: bool
-    reward: float | None  # the environment's final reward (None: the task reward function scores)
-    last_text: str  # the last model turn's text (what the reward function sees)
-    tool_calls: int
-    tool_errors: int
-    env_failures: int
-    env_s: float
-    turn_prompt_tokens: int = 0  # sum over its turns of each turn's prompt length
-    cached_tokens: int | None = None  # of those, served by the engine's prefix cache (None: not reported)
-
-    def __post_init__(self) -> None:
-        assert len(set(self.turn_versions)) == 1, (self.request_id, self.turn_versions)
-        assert len(self.loss_mask) == len(self.response_ids) == len(self.behav_logprobs)
-
-    @property
-    def turns(self) -> int:
-        return len(self.turn_versions)
-
-
 @dataclass(kw_only=True)
-class _Live:
+class LiveTrajectory:
     """A trajectory in progress (mutated on the producer thread only)."""
 
     key: str
@@ -179,40 +120,24 @@ class _StreamEnded:
     error: BaseException | None
 
 
-class MultiTurnRollout:
-    """Runs a batch's trajectories through a streaming engine and a step runner (module doc)."""
+class TurnLoop:
+    """Runs live trajectories' turns to their ends (module doc)."""
 
     def __init__(
-        self,
-        *,
-        settings: MultiTurnSettings,
-        env_factory: Callable[[], Any],
-        runner: StepRunner,
-        sampling: SamplingSettings,
-        poll_s: float = 0.05,
+        self, *, settings: MultiTurnSettings, runner: StepRunner, sampling: SamplingSettings, poll_s: float
     ) -> None:
-        self.settings, self._env_factory, self._runner = settings, env_factory, runner
-        self._sampling, self._poll_s = sampling, poll_s
+        self.settings, self._runner, self._sampling, self._poll_s = settings, runner, sampling, poll_s
 
     def run(
         self,
         engine: StreamingEngine,
-        starts: Sequence[GroupStart],
-        group_size: int,
+        live: dict[str, LiveTrajectory],
         *,
         stop: threading.Event,
         check_version: Callable[[str, int], None],
-    ) -> Iterator[Trajectory | FailedGroup]:
-        """Yield a ``FailedGroup`` for each prompt whose reset failed, then every (prompt, k)
-        trajectory of the other ``starts`` x ``group_size`` as it finishes;
-        ``check_version(request_id, version)`` sees every turn. Returns early (nothing more
-        yielded) once ``stop`` is set."""
-        if not isinstance(engine, StreamingEngine):
-            raise TypeError(f"multi-turn rollouts need an engine with generate_stream; got {type(engine).__name__}")
-        live, failed = self._start(starts, group_size)
-        yield from failed
-        if not live:
-            return
+    ) -> Iterator[Trajectory]:
+        """Yield each of ``live`` (key -> trajectory, emptied as they finish) when it ends;
+        ``check_version(request_id, version)`` sees every turn. Returns early once ``stop`` is set."""
         feed, events = RequestFeed(), queue.Queue()
         for traj in live.values():
             self._submit_turn(feed, traj)
@@ -224,60 +149,9 @@ class MultiTurnRollout:
             feed.abort() if live else feed.close()
             thread.join()
 
-    def _start(self, starts, group_size: int) -> tuple[dict[str, _Live], list[FailedGroup]]:
-        """Reset one environment per (prompt, k) on the runner: the live trajectories of the
-        groups whose K resets succeeded (their first prompts must agree), a ``FailedGroup`` for each other."""
-        envs = [[self._env_factory() for _ in range(group_size)] for _ in starts]
-        resets = [
-            [self._runner.submit_reset(env, dict(start.fields), tag=f"{start.base}/{k}") for k, env in enumerate(row)]
-            for start, row in zip(starts, envs, strict=True)
-        ]
-        live: dict[str, _Live] = {}
-        failed: list[FailedGroup] = []
-        for p, start in enumerate(starts):
-            errors = [future.exception() for future in resets[p]]  # waits for every reset of the group
-            stopping = next((e for e in errors if e is not None and not isinstance(e, EnvironmentCallFailed)), None)
-            if stopping is not None:
-                raise stopping  # past environment.max_failures (or a broken runner): the run stops
-            first = next((e for e in errors if e is not None), None)
-            if first is not None:
-                failed.append(FailedGroup(prompt_index=p, base=start.base, error=str(first)))
-                continue
-            prompt = self._shared_prompt(start.base, [f.result() for f in resets[p]], envs[p])
-            for k, env in enumerate(envs[p]):
-                key = f"{start.base}/{k}"
-                live[key] = _Live(
-                    key=key,
-                    p=p,
-                    k=k,
-                    env=env,
-                    prompt_ids=prompt,
-                    seed_of=lambda turn, k=k, seed=start.seed: seed(k, turn),
-                )
-        return live, failed
-
-    def _shared_prompt(self, base: str, first_messages: Sequence[Any], envs: Sequence[Any]) -> tuple[int, ...]:
-        """The group's first prompt ids; ValueError when the K resets disagree or leave no room."""
-        shared: tuple[int, ...] | None = None
-        for k, (messages, env) in enumerate(zip(first_messages, envs, strict=True)):
-            ids = tuple(self.settings.encode_prompt(messages, env.tools))
-            if shared is not None and ids != shared:
-                raise ValueError(
-                    f"environment reset gave trajectory {k} of {base!r} another first prompt "
-                    "than trajectory 0: reset must depend on the record only (shared prompt)"
-                )
-            if len(ids) >= self.settings.max_total_tokens:
-                raise ValueError(
-                    f"{base}: the first prompt has {len(ids)} tokens, no room for a model turn "
-                    f"under environment.max_total_tokens={self.settings.max_total_tokens}"
-                )
-            shared = ids
-        assert shared is not None
-        return shared
-
     def _loop(
         self,
-        live: dict[str, _Live],
+        live: dict[str, LiveTrajectory],
         feed: RequestFeed,
         events: queue.Queue,
         stop: threading.Event,
@@ -303,10 +177,10 @@ class MultiTurnRollout:
                 if self._on_step(traj, event, feed):
                     yield live.pop(event.key).finish()
 
-    def _budget_left(self, traj: _Live) -> int:
+    def _budget_left(self, traj: LiveTrajectory) -> int:
         return self.settings.max_total_tokens - len(traj.prompt_ids) - len(traj.ids)
 
-    def _submit_turn(self, feed: RequestFeed, traj: _Live) -> None:
+    def _submit_turn(self, feed: RequestFeed, traj: LiveTrajectory) -> None:
         turn = len(traj.versions)
         sampling = replace(
             self._sampling,
@@ -319,7 +193,7 @@ class MultiTurnRollout:
             )
         )
 
-    def _on_turn(self, traj: _Live, result: GenerationResult, events: queue.Queue) -> bool:
+    def _on_turn(self, traj: LiveTrajectory, result: GenerationResult, events: queue.Queue) -> bool:
         """Append a model turn; hand its text to the environment. True if the trajectory ended."""
         traj.ids += result.response_ids
         traj.mask += [1] * len(result.response_ids)
@@ -339,7 +213,7 @@ class MultiTurnRollout:
         future.add_done_callback(lambda f: events.put(_StepDone(traj.key, f, time.perf_counter() - start)))
         return False
 
-    def _on_step(self, traj: _Live, event: _StepDone, feed: RequestFeed) -> bool:
+    def _on_step(self, traj: LiveTrajectory, event: _StepDone, feed: RequestFeed) -> bool:
         """Take the environment's answer: count, append the observation, submit the next turn."""
         traj.env_s += event.elapsed_s
         step = event.future.result()  # raises only past environment.max_failures: the run stops

@@ -1,0 +1,195 @@
+"""The generation contract: what one batch asks of a generator, what it yields, and the registry
+that builds generators by name.
+
+- ``BatchRequest``: a batch's step, its prompts (``PromptItem``s, prompt order), the group
+  size G and the base sampling seed. Trajectory k of prompt p is ``request_id(step,
+  prompt_id, k)``; every seed a generator draws is ``batch.seed(key, k)`` (``request_seed``
+  of the base seed, the step, a key naming the prompt, k), so re-runs and every pipeline mode
+  sample the same tokens.
+- ``Generator.run(engine, batch, stop=, check_version=)`` yields one ``Trajectory`` per (p, k)
+  as it finishes, or one ``FailedGroup`` for a prompt given up before generating (all its k);
+  ``check_version(request_id, version)`` sees every engine result (the producer's staleness
+  schedule); once ``stop`` is set it returns early. It never scores: the producer calls the
+  task reward when a trajectory carries no reward of its own.
+- ``Generator.overlong_lengths(samples, max_len)``: what DAPO overlong shaping measures of a
+  finished group (each response's length against ``max_len``, or a budget of its own).
+
+A generator is registered under a name (``register_generator``) with a factory taking a
+``GeneratorSetup``; ``build_generator(name, setup)`` builds it (``trainer.from_config``:
+``environment.kind: none`` -> ``single_turn``, else ``multi_turn``). Nothing here imports the
+pipeline: the pipeline depends on generation, not the reverse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from megatron_rl.config.schema import DataConfig, EnvironmentConfig
+from megatron_rl.rollout.types import RolloutEngine, RoutedExperts, SamplingSettings
+
+
+def request_id(step: int, prompt_id: str, k: int) -> str:
+    """Unique id of sample ``k`` of prompt ``prompt_id`` at ``step``: ``"<step>/<prompt_id>/<k>"``."""
+    return f"{step}/{prompt_id}/{k}"
+
+
+def request_seed(base_seed: int, step: int, prompt_id: str, k: int) -> int:
+    """Deterministic 63-bit sampling seed of one request (blake2b of the four values)."""
+    digest = hashlib.blake2b(f"{base_seed}|{step}|{prompt_id}|{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class PromptRecordLike(Protocol):
+    """What generation needs of a prompt record (``data.PromptRecord`` fits)."""
+
+    @property
+    def prompt_id(self) -> str: ...
+
+
+class PromptItem(Protocol):
+    """A record and its prompt token ids (``data.TokenizedPrompt`` fits)."""
+
+    @property
+    def record(self) -> PromptRecordLike: ...
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchRequest:
+    """One batch to generate: G trajectories for each of ``items``."""
+
+    step: int
+    items: tuple[PromptItem, ...]  # prompt order: prompt_index p is a position here
+    group_size: int  # G
+    base_seed: int  # rollout.sampling.seed
+
+    def request_id(self, p: int, k: int) -> str:
+        """Trajectory ``k`` of prompt ``p``: ``"<step>/<prompt_id>/<k>"``."""
+        return request_id(self.step, self.items[p].record.prompt_id, k)
+
+    def seed(self, key: str, k: int) -> int:
+        """The sampling seed of trajectory ``k`` under ``key`` (the prompt id, or a turn of it)."""
+        return request_seed(self.base_seed, self.step, key, k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trajectory:
+    """One finished (prompt, k): the response region is every id after the prompt.
+
+    Single-turn: one model turn, ``loss_mask`` None (every response token is the model's).
+    Multi-turn: model turns with observations spliced between them (``loss_mask`` 0)."""
+
+    request_id: str  # "<step>/<prompt_id>/<k>" (multi-turn turns add "/<turn>")
+    prompt_index: int
+    k: int
+    prompt_ids: tuple[int, ...]  # [Lp] shared by the group
+    response_ids: tuple[int, ...]  # [Lr] model (and observation) tokens, in order
+    loss_mask: tuple[int, ...] | None  # [Lr] 1 = model token, 0 = observation token; None: all model
+    behav_logprobs: tuple[float, ...]  # [Lr] the engine's log-prob on model tokens, 0.0 on observations
+    turn_versions: tuple[int, ...]  # weight version of each model turn
+    finish_reason: str  # of the last model turn ("stop" / "length")
+    last_text: str  # the last model turn's text (what the reward function sees)
+    truncated: bool = False  # ended by a budget, not by its environment
+    reward: float | None = None  # the environment's final reward (None: the task reward function scores)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_failures: int = 0
+    env_s: float = 0.0
+    turn_prompt_tokens: int = 0  # sum over its turns of each turn's prompt length (multi-turn)
+    cached_tokens: int | None = None  # of those, served by the engine's prefix cache (None: not reported)
+    routed_experts: RoutedExperts | None = None  # MoE routes of the forwarded tokens (single-turn)
+
+    def __post_init__(self) -> None:
+        assert len(set(self.turn_versions)) == 1, (self.request_id, self.turn_versions)
+        assert self.loss_mask is None or len(self.loss_mask) == len(self.response_ids)
+        assert len(self.response_ids) == len(self.behav_logprobs)
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_versions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailedGroup:
+    """A prompt given up before generating (its environment reset failed): no trajectory of it."""
+
+    prompt_index: int
+    base: str  # the group's "<step>/<prompt_id>"
+    error: str  # the first failure's message
+
+
+@dataclass(frozen=True)
+class OverlongLengths:
+    """What DAPO overlong shaping measures of one group: the length limit, each response's length."""
+
+    max_len: int
+    lengths: tuple[int, ...]  # [G]
+
+
+class MeasuredSample(Protocol):
+    """What overlong measuring reads of a scored sample (``pipeline.Sample`` fits)."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    truncated: bool
+
+
+def response_lengths(samples: Sequence[MeasuredSample], max_len: int) -> OverlongLengths:
+    """Each response's length against ``max_len`` (algorithm.overlong's single-turn measure)."""
+    return OverlongLengths(max_len=max_len, lengths=tuple(len(s.response_ids) for s in samples))
+
+
+class Generator(Protocol):
+    """Turns a batch of prompts into trajectories on an engine (module doc)."""
+
+    def run(
+        self,
+        engine: RolloutEngine,
+        batch: BatchRequest,
+        *,
+        stop: threading.Event,
+        check_version: Callable[[str, int], None],
+    ) -> Iterator[Trajectory | FailedGroup]: ...
+
+    def overlong_lengths(self, samples: Sequence[MeasuredSample], max_len: int) -> OverlongLengths: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorSetup:
+    """Everything a registered generator is built from (``build_generator``)."""
+
+    sampling: SamplingSettings  # rollout.sampling (stop ids: the tokenizer's EOS and the stop strings)
+    tokenizer: Any  # HF tokenizer: decodes responses for the reward, renders chat turns
+    environment: EnvironmentConfig = EnvironmentConfig()  # the environment section (multi-turn)
+    instruction: str | None = DataConfig.instruction  # data.instruction (multi-turn reset fields)
+
+
+GeneratorFactory = Callable[[GeneratorSetup], Generator]
+_GENERATORS: dict[str, GeneratorFactory] = {}
+
+
+def register_generator(name: str) -> Callable[[GeneratorFactory], GeneratorFactory]:
+    """Decorator: register a factory ``setup -> Generator`` (a class fits) under ``name``."""
+
+    def register(factory: GeneratorFactory) -> GeneratorFactory:
+        if name in _GENERATORS and _GENERATORS[name] is not factory:
+            raise ValueError(f"generator {name!r} is already registered ({_GENERATORS[name]!r})")
+        _GENERATORS[name] = factory
+        return factory
+
+    return register
+
+
+def build_generator(name: str, setup: GeneratorSetup) -> Generator:
+    """The generator registered as ``name``, built from ``setup``."""
+    import megatron_rl.generation  # noqa: F401 -- registers the built-in generators
+
+    if name not in _GENERATORS:
+        raise ValueError(f"unknown generator {name!r}: registered are {sorted(_GENERATORS)}")
+    return _GENERATORS[name](setup)
