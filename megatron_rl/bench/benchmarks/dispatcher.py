@@ -1,7 +1,7 @@
 """Rank 0's dispatcher alone, at fleet scale: fake engines, fake replicas, realistic lengths.
 
     python -m megatron_rl bench dispatcher [--replicas 64] [--engines 16] [--prompts 128] [--group-size 16]
-                                               [--steps 2] [--reward-ms 0] [--reward-workers 0]
+                                           [--steps 2] [--reward-ms 0] [--reward-workers 0]
 
 What global rank 0 does per step, for real (``Pipeline`` + producer thread + ``StepBatch``
 routing and cutting + ``make_micro_batch`` packing + the dispatcher thread + pickling every
