@@ -192,7 +192,8 @@ def _micro_batch_loss(settings: LossSettings, inputs: LossInputs, denominator: t
     loss_tokens = counted if anchor.behav is None else anchor.behav.kept
     if unusable is not None:
         loss_tokens = loss_tokens & ~unusable
-    terms = _token_terms(settings, inputs, anchor, correction)
+    factor = None if correction is None else entry.token_term.correction_factor(correction)
+    terms = _token_terms(settings, inputs, anchor, factor)
     masked = torch.where(loss_tokens, terms.per_token, torch.zeros_like(terms.per_token))
     loss = entry.aggregation.numerator(masked, counted) / denominator
     metrics = _metrics(settings, inputs, anchor, terms, loss_tokens)
@@ -230,9 +231,9 @@ class _TokenTerms:
 
 
 def _token_terms(
-    settings: LossSettings, inputs: LossInputs, anchor: Anchor, correction: Correction | None
+    settings: LossSettings, inputs: LossInputs, anchor: Anchor, correction_factor: torch.Tensor | None
 ) -> _TokenTerms:
-    """Clipped surrogate × behaviour weight × correction factor, + KL and entropy terms."""
+    """Clipped surrogate × behaviour weight × the kind's correction factor, + KL and entropy terms."""
     logp, counted = inputs.logp, inputs.mask.bool()
     adv = inputs.advantages.to(logp.dtype).unsqueeze(-1)  # [B, 1], broadcast over tokens
     # Padding gets log-ratio 0 (and ref = logp below): garbage there must not reach an exp,
@@ -242,9 +243,8 @@ def _token_terms(
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     if anchor.behav is not None:
         per_token = per_token * anchor.behav.weight
-    if correction is not None:
-        factor = loss_entry(settings.kind).token_term.correction_factor(correction)
-        per_token = per_token * factor.to(per_token.dtype)
+    if correction_factor is not None:
+        per_token = per_token * correction_factor.to(per_token.dtype)
     kl_ref = None
     if inputs.ref_logp is not None:
         kl_ref = kl_estimate(logp, torch.where(counted, inputs.ref_logp, logp.detach()), settings.kl_estimator)
