@@ -104,15 +104,15 @@ def _rank_worker(argv: list[str]) -> None:
     _train(config, overrides, int(seed), str(Path(out) / f"answers_c{attempt}.txt"))
 
 
-def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
-    """Run the rank-kill scenario (module doc) into ``out``; its figures."""
+def _torchrun_command(config: str, seed: int, out: Path) -> list[str]:
+    """A two-rank torchrun world (one restart allowed) of ``_rank_worker``, checkpointing every step into ``out``."""
     overrides = [
         f"trainer.save_dir={out}",
         f"trainer.log_dir={out}/logs",
         "trainer.save_every=1",
         "trainer.resume_from=auto",
     ]
-    command = [
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -128,7 +128,10 @@ def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
         str(out),
         *overrides,
     ]
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _run_killing_rank1(command: list[str], out: Path) -> tuple[int, bool]:
+    """Run ``command``; SIGKILL rank 1's first attempt once step 2's checkpoint exists. (exit code, killed)."""
     with (out / "torchrun.log").open("w") as log:  # both attempts' output, for a post-mortem
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     victim = out / "pid_rank1_attempt0"
@@ -137,17 +140,29 @@ def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
     killed = proc.poll() is None
     if killed:
         os.kill(int(victim.read_text()), signal.SIGKILL)
-    code = proc.wait()
+    return proc.wait(), killed
+
+
+def _rows_by_step(metrics: Path) -> dict[int, dict]:
+    """step -> metrics row; a step logged before the kill and again after the restart: the last counts."""
+    rows = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    return rows
+
+
+def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
+    """Run the rank-kill scenario (module doc) into ``out``; its figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    code, killed = _run_killing_rank1(_torchrun_command(config, seed, out), out)
     firsts = [min(int(r.split("/")[0]) for r in f.read_text().split()) for f in sorted(out.glob("answers_c1.txt"))]
     resumed_at = firsts[0] if firsts else steps
     counts = [
         _answer_counts(out / "answers_c0.txt", range(resumed_at)),
         _answer_counts(out / "answers_c1.txt", range(resumed_at, steps)),
     ]
-    rows = {}
-    for line in (out / "logs" / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = row  # a step logged before the kill and again after the restart: the last counts
+    rows = _rows_by_step(out / "logs" / "metrics.jsonl")
     return {
         "rank_kill_exit": code,
         "rank_kill_killed": killed,
@@ -159,7 +174,16 @@ def _kill_a_rank(config: str, seed: int, out: Path, steps: int) -> dict:
     }
 
 
-def _spawn(config, overrides, seed, answers, sigterm_after_steps: int | None = None, log_dir=None) -> int:
+def _spawn(
+    config: str,
+    overrides: list[str],
+    seed: int,
+    answers: Path,
+    *,
+    sigterm_after_steps: int | None = None,
+    log_dir: Path | None = None,
+) -> int:
+    """One training process; SIGTERMed once ``log_dir`` has ``sigterm_after_steps`` metrics rows. Its exit code."""
     proc = mp.get_context("spawn").Process(target=_train, args=(config, overrides, seed, str(answers)))
     proc.start()
     if sigterm_after_steps is not None:
