@@ -12,10 +12,11 @@ Modules: `build` (`build_engine`: settings -> a running pool), `pool` (WorkerPoo
 (a `megatron_rl.weight_sync` update into every worker; the transports live in that package),
 `worker` (the worker process and its messages), `stream_worker` (the serve loop of a backend
 stepped between commands: vLLM), `backends/` (the engines a worker runs: `hf`, `vllm` and its
-`vllm_api` adaptors), `remote` (rank 0's hub for engines on other nodes; a node's engine host is
-`megatron_rl.cli.serve`), `faults` (seeded fault injection for chaos runs), `engine_wrapper`
-(the base of engines wrapping another), and the records: `settings`, `types`, `scoring`
-(score requests and results), `sampling`, `feed` (requests arriving during a call).
+`vllm_api` adaptors), `remote` (rank 0's hub for engines on other nodes), `engine_host` (a node's
+engine host; its command is `megatron_rl.cli.serve`), `faults` (seeded fault injection for
+chaos runs), `engine_wrapper` (the base of engines wrapping another), and the records:
+`settings`, `types`, `scoring` (score requests and results), `sampling`, `feed` (requests
+arriving during a call).
 """
 
 from megatron_rl.rollout.build import build_engine
