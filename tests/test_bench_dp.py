@@ -51,21 +51,18 @@ def _expected_shares(config: str, vocab_size: int) -> dict[int, list[list[int]]]
     """Token ids of each replica's micro-batches, as training's ``StepBatch`` routes step 0."""
     from megatron_rl.bench.train_scope import SyntheticGroups, queue_items
     from megatron_rl.config import load_config
-    from megatron_rl.pipeline import StepBatch
+    from megatron_rl.pipeline import BatchCutting, StepBatch
 
     cfg = load_config(config, [])
     queue = collections.deque(queue_items(cfg, SyntheticGroups.from_config(cfg, OPTS, vocab_size), 0))
-    batch = StepBatch(
-        start=queue.popleft(),
-        policy_version=0,
-        num_mini_batches=cfg.trainer.mini_batches,
+    cutting = BatchCutting(
+        mini_batches=cfg.trainer.mini_batches,
         token_budget=cfg.pipeline.micro_batch_tokens,
         streamed=False,
         flush_when_idle=False,
-        pop=queue.popleft,
-        queue_empty=lambda: not queue,
         replicas=2,
     )
+    batch = StepBatch(queue.popleft(), 0, cutting, pop=queue.popleft, queue_empty=lambda: not queue)
     shares: dict[int, list[list[int]]] = {0: [], 1: []}
     for mini_batch in batch.mini_batches():
         for mb in mini_batch:

@@ -153,7 +153,7 @@ def _expected_cuts(groups, replicas: int, budget: int) -> dict[int, list[list[st
 def test_streamed_overflow_cuts_every_replica_its_own_micro_batches(replicas):
     """Periodic mode with the engine never idle: every micro-batch but the last per replica is cut
     by the token-budget overflow, at every replica, and each holds that replica's groups only."""
-    from megatron_rl.pipeline.batching import StepBatch
+    from megatron_rl.pipeline.batching import BatchCutting, StepBatch
     from megatron_rl.pipeline.records import BatchEnd, BatchStart
 
     groups, budget = _arriving_groups(24, seed=replicas), 20
@@ -165,16 +165,13 @@ def test_streamed_overflow_cuts_every_replica_its_own_micro_batches(replicas):
             ),
         ]
     )
+    cutting = BatchCutting(mini_batches=1, token_budget=budget, streamed=True, flush_when_idle=True, replicas=replicas)
     batch = StepBatch(
-        start=BatchStart(step=0, num_prompts=24, group_size=2),
-        policy_version=0,
-        num_mini_batches=1,
-        token_budget=budget,
-        streamed=True,
-        flush_when_idle=True,
+        BatchStart(step=0, num_prompts=24, group_size=2),
+        0,
+        cutting,
         pop=lambda: next(items),
         queue_empty=lambda: False,
-        replicas=replicas,
     )
     got = {r: [] for r in range(replicas)}
     for mini in batch.mini_batches():

@@ -3,7 +3,7 @@ the same number of micro-batches per optimizer step, and the engine probe runs o
 
 The EP groups span DP replicas and every MoE layer runs EP collectives (megatron's all-to-all
 token dispatcher), so a replica with one more micro-batch than its peers waited inside an MoE
-forward for peers already in the optimizer step: no step completed. ``StepBatch(lockstep=True)``
+forward for peers already in the optimizer step: no step completed. ``BatchCutting(lockstep=True)``
 (``parallel.ep`` > 1) sends micro-batches in rounds, one per replica, and pads a short replica
 with ``padding_micro_batch`` (two tokens, loss mask 0).
 

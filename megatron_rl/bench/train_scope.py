@@ -104,18 +104,10 @@ class SyntheticSteps:
     def begin_step(self) -> StepBatch:
         """The next step's batch (``prepare`` first)."""
         queue = collections.deque(self.items)
-        return StepBatch(
-            start=queue.popleft(),
-            policy_version=self.step,
-            num_mini_batches=self.cfg.trainer.mini_batches,
-            token_budget=self.cfg.pipeline.micro_batch_tokens,
-            streamed=False,
-            flush_when_idle=False,
-            pop=queue.popleft,
-            queue_empty=lambda: not queue,
-            replicas=self.replicas,
-            lockstep=from_config.pipeline_settings(self.cfg).lockstep_replicas,
-        )  # EP: as training
+        cutting = dataclasses.replace(  # the whole batch first; EP lockstep as training
+            from_config.pipeline_settings(self.cfg).cutting(self.replicas), streamed=False, flush_when_idle=False
+        )
+        return StepBatch(queue.popleft(), self.step, cutting, pop=queue.popleft, queue_empty=lambda: not queue)
 
     def complete(self, batch: StepBatch, version: int) -> int:
         """The step is done (nothing to publish: no engine)."""

@@ -13,7 +13,7 @@ shutdown), `recording` (the queue as JSONL, and its replay).
 """
 
 from megatron_rl.generation.base import request_id, request_seed
-from megatron_rl.pipeline.batching import StepBatch
+from megatron_rl.pipeline.batching import BatchCutting, StepBatch
 from megatron_rl.pipeline.consumer import BatchSummary, Pipeline, PipelineSettings, summarize
 from megatron_rl.pipeline.producer import PromptSource, RewardCallable, RolloutInputs, StepSpan
 from megatron_rl.pipeline.records import (
@@ -40,6 +40,7 @@ from megatron_rl.pipeline.versions import (
 
 __all__ = [
     "PIPELINE_MODES",
+    "BatchCutting",
     "BatchEnd",
     "BatchStart",
     "BatchSummary",

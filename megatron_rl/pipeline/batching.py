@@ -53,25 +53,33 @@ from megatron_rl.pipeline.records import (
 )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchCutting:
+    """How a step's groups are cut: mini-batches, the micro-batch token budget, streaming, DP routing."""
+
+    mini_batches: int  # trainer.mini_batches: optimizer steps per batch
+    token_budget: int  # pipeline.micro_batch_tokens
+    streamed: bool  # periodic / stale: mini-batch j is trained while it arrives (module doc)
+    flush_when_idle: bool  # cut a partial micro-batch when the queue is momentarily empty
+    replicas: int = 1  # DP replicas the groups are routed to
+    lockstep: bool = False  # every replica trains as many micro-batches per mini-batch (expert parallelism)
+
+
 class StepBatch:
     """The groups of one step as the consumer pops them, cut into mini- and micro-batches."""
 
     def __init__(
         self,
-        *,
         start: BatchStart,
         policy_version: int,
-        num_mini_batches: int,
-        token_budget: int,
-        streamed: bool,
-        flush_when_idle: bool,
+        cutting: BatchCutting,
+        *,
         pop: Callable[[], QueueItem],
         queue_empty: Callable[[], bool],
-        replicas: int = 1,
-        lockstep: bool = False,
     ) -> None:
-        """``replicas``: DP replicas the groups are routed to; ``lockstep``: every replica trains
-        the same number of micro-batches per mini-batch (expert parallelism; the module doc)."""
+        """``pop``: the next queue item of the step (blocking); ``queue_empty``: whether a pop
+        would wait now (``BatchCutting.flush_when_idle``)."""
+        num_mini_batches, replicas = cutting.mini_batches, cutting.replicas
         m, n = num_mini_batches, start.num_prompts
         if n % m:
             raise ValueError(
@@ -79,7 +87,8 @@ class StepBatch:
             )
         self.start, self.step, self.policy_version = start, start.step, policy_version
         self.num_mini_batches, self._per_mini = m, n // m
-        self._budget, self._streamed, self._flush_when_idle = token_budget, streamed, flush_when_idle
+        self._budget, self._streamed = cutting.token_budget, cutting.streamed
+        self._flush_when_idle = cutting.flush_when_idle
         self._pop, self._queue_empty = pop, queue_empty
         self.groups: list[ScoredGroup] = []  # every group of the step, in arrival order
         self.end: BatchEnd | None = None
@@ -89,7 +98,7 @@ class StepBatch:
         self.overlapped_micro_batches = 0  # handed out while groups of the step were still generating
         self._next_mini = 0
         self.router = TokenRouter(replicas)  # which DP replica trains each group
-        self.lockstep = lockstep and replicas > 1
+        self.lockstep = cutting.lockstep and replicas > 1
         self._held: list[list[MicroBatch]] = [[] for _ in range(replicas)]  # lockstep: cut, not yet sent
         self.padding_micro_batches = 0  # lockstep: padding handed out this step
 

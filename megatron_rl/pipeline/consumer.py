@@ -37,7 +37,7 @@ from megatron_rl.config.schema import PipelineConfig, SamplingConfig, TrainerCon
 from megatron_rl.config.sections import require_valid
 from megatron_rl.generation.metrics import multiturn_metrics
 from megatron_rl.parallel.world_timeout import generation_timeout
-from megatron_rl.pipeline.batching import StepBatch
+from megatron_rl.pipeline.batching import BatchCutting, StepBatch
 from megatron_rl.pipeline.producer import Producer, RolloutInputs, StepSpan
 from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayInputs, ReplayProducer
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, PipelineError, QueueItem
@@ -76,6 +76,17 @@ class PipelineSettings(PipelineConfig):
         for name in ("poll_s", "join_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"pipeline.{name} must be > 0, got {getattr(self, name)}")
+
+    def cutting(self, replicas: int) -> BatchCutting:
+        """How each step's groups are cut into mini- and micro-batches for ``replicas`` DP replicas."""
+        return BatchCutting(
+            mini_batches=self.mini_batches,
+            token_budget=self.micro_batch_tokens,
+            streamed=self.mode != "sync",
+            flush_when_idle=self.flush_when_idle,
+            replicas=replicas,
+            lockstep=self.lockstep_replicas,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,16 +238,11 @@ class Pipeline:
             raise PipelineError(f"expected the start of step {expected}, got {start!r}")
         s = self.settings
         self._current = StepBatch(
-            start=start,
-            policy_version=self.schedule.policy_version(self._batch_index),
-            num_mini_batches=s.mini_batches,
-            token_budget=s.micro_batch_tokens,
-            streamed=s.mode != "sync",
-            flush_when_idle=s.flush_when_idle,
+            start,
+            self.schedule.policy_version(self._batch_index),
+            s.cutting(self._replicas),
             pop=self._pop,
             queue_empty=self._queue.empty,
-            replicas=self._replicas,
-            lockstep=s.lockstep_replicas,
         )
         return self._current
 
