@@ -34,6 +34,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.dispatch import generate_results, stream_results
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.score_dispatch import score_results
@@ -55,9 +56,9 @@ class WorkerPool:
         specs: Sequence[WorkerSpec],
         *,
         max_batch_size: int,
-        max_restarts: int = 3,
-        start_timeout_s: float = 600.0,
-        request_timeout_s: float = 600.0,
+        max_restarts: int = RolloutConfig.max_restarts,
+        start_timeout_s: float = RolloutConfig.start_timeout_s,
+        request_timeout_s: float = RolloutConfig.request_timeout_s,
         sync_backend: str = "gloo",
         sync_address: str = "127.0.0.1",
         remote=None,
