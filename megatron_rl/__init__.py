@@ -1,7 +1,9 @@
 """megatron_rl: Megatron-style RL post-training for LLMs (GRPO, DAPO, Dr.GRPO, decoupled PPO).
 
-Sub-packages, one concern each (see DESIGN.md): config, platform, models, parallel, attention,
-trimodel, algorithms, control, rollout, generation, pipeline, rewards, data, trainer.
+Sub-packages, one concern each (DESIGN.md; README "Layout"), in import tiers, lowest first (a
+package imports its own tier and lower ones; ``tests/test_import_direction.py`` checks it):
+config < platform < models, attention, parallel, algorithms, data, rewards, environments, control
+< trimodel, weight_sync, rollout < generation < pipeline < trainer < bench, devcheck, plan < cli
 """
 
 __version__ = "0.1.0"

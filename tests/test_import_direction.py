@@ -1,8 +1,8 @@
 """Imports run one way: no module of ``megatron_rl`` imports a package ranked above its own.
 
-``TIERS`` ranks the sub-packages bottom to top; a package may import its own tier and the ones
-below it, never one above. Every import counts: module level, inside functions (lazy), and the
-dotted paths handed to ``importlib`` (``"megatron_rl.rollout.backends.hf:HFBackend"``).
+``TIERS`` (declared in ``tools/layout.py``) ranks the sub-packages bottom to top; a package may
+import its own tier and the ones below it, never one above. Every import counts: module level,
+inside functions (lazy), and the dotted paths handed to ``importlib`` (``"megatron_rl.rollout.backends.hf:HFBackend"``).
 
     python tests/test_import_direction.py [ROOT]    # print every arrow running back up
 """
@@ -10,6 +10,7 @@ dotted paths handed to ``importlib`` (``"megatron_rl.rollout.backends.hf:HFBacke
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import sys
 from collections.abc import Iterator
@@ -17,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TIERS = (
-    ("config",),
-    ("platform",),
-    ("models", "attention", "parallel", "algorithms", "data", "rewards", "environments", "control"),
-    ("trimodel", "weight_sync", "rollout"),
-    ("generation",),
-    ("pipeline",),
-    ("trainer",),
-    ("bench", "devcheck", "plan"),
-    ("cli",),
-)
+
+
+def _load_layout():
+    """``tools/layout.py`` as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("megatron_rl_layout", REPO / "tools" / "layout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TIERS = _load_layout().TIERS  # one declaration, tools/layout.py (README's layout block prints them)
 # Top-level modules: the package's own __init__ (it silences library noise: platform) and
 # ``python -m megatron_rl`` (the command line).
 TOP_LEVEL = {"__init__": "platform", "__main__": "cli"}

@@ -1,4 +1,4 @@
-"""Generation: prompts -> trajectories on a rollout engine, one home for every kind.
+"""Generation: prompts -> trajectories on an engine, by a generator chosen by name (single / multi-turn).
 
 Modules: `base` (the contract: ``BatchRequest`` in, ``Trajectory`` / ``FailedGroup`` out, the
 ``Generator`` protocol, how DAPO overlong shaping measures a group, and the registry

@@ -1,5 +1,7 @@
-"""Periodic asynchrony: a producer thread feeds scored groups through a bounded queue to the
-consumer, which trains them as they arrive and syncs weights once per batch.
+"""Periodic asynchrony: producer thread -> bounded queue -> consumer; sync / periodic / stale modes.
+
+A producer thread feeds scored groups through a bounded queue to the consumer, which trains them
+as they arrive and syncs weights once per batch.
 
 Modules: `records` (Sample, ScoredGroup, BatchStart / BatchEnd, MicroBatch; the one conversion
 of a generated trajectory to a Sample, and of samples to tensors), `versions` (which policy

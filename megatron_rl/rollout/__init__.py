@@ -1,5 +1,7 @@
-"""Rollout engines: generation on workers of their own (vLLM / vllm-ascend, or the transformers
-fallback), weight sync from the trainer, version bookkeeping, supervision of worker processes.
+"""Rollout engines: vLLM / vllm-ascend or transformers workers, their hosting, dispatch and supervision.
+
+Generation on workers of their own (vLLM / vllm-ascend, or the transformers fallback), weight
+sync from the trainer, version bookkeeping, supervision of worker processes.
 
     engine = build_engine(EngineSettings(engine="vllm", model_path=..., num_engines=2,
                                          devices=["cpu:1", "cpu:2"]))

@@ -1,1 +1,1 @@
-"""The training loop, optimizer set-up, checkpoints and metrics."""
+"""Trainer: the RL loop, the policy replica per rank, optimizer, checkpoints, metrics, composition root."""
