@@ -344,6 +344,9 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
             ["environment.max_total_tokens (8192)", "a whole trajectory"],
         ),
         (["rollout.sync_bucket_mb=0"], {"rollout.sync_bucket_mb"}, ["> 0"]),
+        (["rollout.generator=single-turn"], {"rollout.generator"}, ["did you mean 'single_turn'"]),
+        (["rollout.generator=multi_turn"], {"rollout.generator"}, ["needs an environment"]),
+        (["rollout.generator=single_turn", "environment.kind=echo"], {"rollout.generator"}, ["'echo'"]),
         (
             ["control.kind=sagc", "control.sagc.candidates=[1, 4]", "control.group_size=4"],
             {"control.sagc.candidates"},

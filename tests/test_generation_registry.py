@@ -111,3 +111,32 @@ def test_the_built_in_generators_are_registered_and_names_are_checked():
         build_generator("nope", setup)
     with pytest.raises(ValueError, match="'single_turn' is already registered"):
         register_generator("single_turn")(CountingGenerator)
+
+
+def test_a_generator_in_the_users_own_file_is_chosen_by_config(tmp_path):
+    """``rollout.generator: "pkg.mod:factory"`` builds a generator no framework file names (this
+    file's), the way ``environment.kind`` and ``reward.fn`` take dotted paths; ``auto`` follows
+    ``environment.kind``."""
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import from_config
+    from tests.test_config import MINIMAL, SMOLLM2
+
+    path = tmp_path / "config.yaml"
+    path.write_text(MINIMAL)
+    dotted = "tests.test_generation_registry:CountingGenerator"
+    cfg = load_config(path, [f"rollout.generator={dotted}"], hf_config=SMOLLM2)
+    assert isinstance(from_config.generator(cfg, None, SamplingSettings()), CountingGenerator)
+    auto = load_config(path, [], hf_config=SMOLLM2)
+    assert auto.rollout.generator == "auto"
+    assert isinstance(from_config.generator(auto, _Decoder(), SamplingSettings()), SingleTurnGenerator)
+    with pytest.raises(ValueError, match=r"rollout.generator: 'tests.test_generation_registry:Nope': .*no attribute"):
+        build_generator(
+            "tests.test_generation_registry:Nope", GeneratorSetup(sampling=SamplingSettings(), tokenizer=None)
+        )
+
+
+class _Decoder:
+    """The one tokenizer method the single-turn generator's factory binds."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""

@@ -35,6 +35,7 @@ def check_resources(cfg: Config) -> Found:
         ("reward.fn", cfg.reward.fn),
         ("control.kind", cfg.control.kind),
         ("environment.kind", cfg.environment.kind),
+        ("rollout.generator", cfg.rollout.generator),
     ):
         if ":" in spec:
             _, why = find_dotted(spec)

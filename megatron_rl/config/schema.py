@@ -37,6 +37,8 @@ MoeLoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]  # megatron's rou
 BuiltinController = Literal["fixed", "sagc"]  # control.kind names; any other kind is a dotted path
 # environment.kind names ("none": single-turn rollouts); any other kind is a dotted path
 BuiltinEnvironment = Literal["none", "echo", "calculator", "python"]
+# rollout.generator names (megatron_rl.generation's registry); any other generator is a dotted path
+BuiltinGenerator = Literal["auto", "single_turn", "multi_turn"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +231,10 @@ class RolloutConfig:
     start_timeout_s: float = 600.0  # an engine not ready this long after its start (model load) is an error
     max_restarts: int = 3  # worker failures (deaths, hangs) tolerated per engine call; then an error
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
+    # How a batch's trajectories are generated (megatron_rl.generation): auto = single_turn for
+    # environment.kind 'none', else multi_turn (the environment's turns); or "pkg.mod:factory", a
+    # function or class taking a generation.GeneratorSetup and returning a Generator.
+    generator: str = "auto"
     # Write every scored group (tokens, log-probs, rewards, versions) to this JSONL file, for
     # `python -m megatron_rl replay CONFIG FILE`; None = no recording.
     record: str | None = None

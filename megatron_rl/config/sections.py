@@ -26,11 +26,12 @@ from .devices import parse_device
 from .errors import suggest
 from .fields import Found, check_value, raise_found, schema_type
 from .model_shape import check_megatron_passthrough
-from .schema import BuiltinController, BuiltinEnvironment, Config
+from .schema import BuiltinController, BuiltinEnvironment, BuiltinGenerator, Config
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # "pkg.mod:Name"
 BUILTIN_CONTROLLERS: tuple[str, ...] = get_args(BuiltinController)
 BUILTIN_ENVIRONMENTS: tuple[str, ...] = get_args(BuiltinEnvironment)
+BUILTIN_GENERATORS: tuple[str, ...] = get_args(BuiltinGenerator)
 
 
 def check_section(obj: Any, key: str = "") -> Found:
@@ -133,6 +134,14 @@ def _rollout(r: Any) -> Found:
     if r.vllm and r.engine != "vllm":
         yield "rollout.vllm", f"is only for rollout.engine 'vllm', got {r.engine!r}; remove it or use 'vllm'"
     yield from _sync_address(r.sync_address)
+    yield from generator_rule(r.generator)
+
+
+def generator_rule(name: str) -> Found:
+    """rollout.generator is a builtin name or a dotted path (whether it imports: `resources.py`)."""
+    if name not in BUILTIN_GENERATORS and not DOTTED_PATH.match(name):
+        names, hint = ", ".join(BUILTIN_GENERATORS), suggest(name, BUILTIN_GENERATORS)
+        yield "rollout.generator", f"{name!r} is not one of {names} or a dotted path 'pkg.mod:factory' ({hint})"
 
 
 def _engine_devices(r: Any) -> Found:

@@ -176,6 +176,24 @@ def check_multiturn_routing_replay(cfg: Config) -> Found:
         )
 
 
+def check_generator_environment(cfg: Config) -> Found:
+    """A builtin generator named outright must match the environment: single_turn has no turns to
+    take observations from, multi_turn needs an environment to talk to."""
+    name, kind = cfg.rollout.generator, cfg.environment.kind
+    if name == "single_turn" and kind != "none":
+        yield (
+            "rollout.generator",
+            f"'single_turn' generates one response per prompt, but environment.kind is {kind!r} (multi-turn): "
+            "use 'auto' or 'multi_turn', or set environment.kind to 'none'",
+        )
+    if name == "multi_turn" and kind == "none":
+        yield (
+            "rollout.generator",
+            "'multi_turn' needs an environment, but environment.kind is 'none': use 'auto' or 'single_turn', "
+            "or name an environment",
+        )
+
+
 def check_temperature(cfg: Config) -> Found:
     """Log-probs must be computed at the temperature the responses were sampled at."""
     train_t, sample_t = cfg.algorithm.temperature, cfg.rollout.sampling.temperature
@@ -193,6 +211,7 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_micro_batch_budget,
     check_multiturn_budget,
     check_multiturn_routing_replay,
+    check_generator_environment,
     check_temperature,
     check_weight_files,
 )

@@ -15,8 +15,9 @@ that builds generators by name.
   finished group (each response's length against ``max_len``, or a budget of its own).
 
 A generator is registered under a name (``register_generator``) with a factory taking a
-``GeneratorSetup``; ``build_generator(name, setup)`` builds it (``trainer.from_config``:
-``environment.kind: none`` -> ``single_turn``, else ``multi_turn``). Nothing here imports the
+``GeneratorSetup``; ``build_generator(name, setup)`` builds it, or the factory at a dotted path
+``"pkg.mod:factory"``. The config's ``rollout.generator`` names it (``trainer.from_config``;
+``auto``: ``single_turn`` for ``environment.kind: none``, else ``multi_turn``). Nothing here imports the
 pipeline: the pipeline depends on generation, not the reverse.
 """
 
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from megatron_rl.config.resources import find_dotted
 from megatron_rl.config.schema import DataConfig, EnvironmentConfig
 from megatron_rl.rollout.types import RolloutEngine, RoutedExperts, SamplingSettings
 
@@ -187,9 +189,15 @@ def register_generator(name: str) -> Callable[[GeneratorFactory], GeneratorFacto
 
 
 def build_generator(name: str, setup: GeneratorSetup) -> Generator:
-    """The generator registered as ``name``, built from ``setup``."""
+    """The generator registered as ``name`` (or made by the factory at the dotted path
+    ``"pkg.mod:factory"``), built from ``setup``."""
     import megatron_rl.generation  # noqa: F401 -- registers the built-in generators
 
+    if ":" in name:
+        factory, why = find_dotted(name)
+        if why:
+            raise ValueError(f"rollout.generator: {name!r}: {why}")
+        return factory(setup)
     if name not in _GENERATORS:
-        raise ValueError(f"unknown generator {name!r}: registered are {sorted(_GENERATORS)}")
+        raise ValueError(f"rollout.generator: unknown generator {name!r}: registered are {sorted(_GENERATORS)}")
     return _GENERATORS[name](setup)

@@ -88,12 +88,15 @@ def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
 
 
 def generator(cfg: Config, tokenizer, sampling: SamplingSettings) -> Generator:
-    """The generator of ``environment``: ``single_turn`` for ``kind: none`` (one response per
-    prompt), else ``multi_turn`` (the environment's turns, ``generation.multi_turn``)."""
+    """The generator ``rollout.generator`` names; ``auto``: ``single_turn`` for ``environment.kind:
+    none`` (one response per prompt), else ``multi_turn`` (the environment's turns)."""
     setup = GeneratorSetup(
         sampling=sampling, tokenizer=tokenizer, environment=cfg.environment, instruction=cfg.data.instruction
     )
-    return build_generator("single_turn" if cfg.environment.kind == "none" else "multi_turn", setup)
+    name = cfg.rollout.generator
+    if name == "auto":
+        name = "single_turn" if cfg.environment.kind == "none" else "multi_turn"
+    return build_generator(name, setup)
 
 
 def reward_fn(cfg: Config) -> GuardedReward:
