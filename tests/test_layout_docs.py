@@ -55,7 +55,7 @@ def test_the_check_sees_a_new_package_and_a_changed_line(layout, tmp_path, monke
     assert layout.layout_block() == before
     (pkg / "rewards" / "__init__.py").write_text('"""Reward functions and reward models."""\n')
     assert layout.layout_block() != before
-    (pkg / "lora").mkdir()
-    (pkg / "lora" / "__init__.py").write_text('"""LoRA adapters: low-rank policy updates, merged for the engines."""\n')
-    with pytest.raises(ValueError, match="lora"):
+    (pkg / "quant").mkdir()
+    (pkg / "quant" / "__init__.py").write_text('"""Quantised rollouts: fp8 weights for the engines."""\n')
+    with pytest.raises(ValueError, match="quant"):
         layout.layout_block()

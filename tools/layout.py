@@ -24,7 +24,7 @@ PACKAGE = REPO / "megatron_rl"
 TIERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("platform",),
-    ("models", "attention", "parallel", "algorithms", "data", "rewards", "environments", "control"),
+    ("models", "attention", "parallel", "lora", "algorithms", "data", "rewards", "environments", "control"),
     ("trimodel", "weight_sync", "rollout"),
     ("generation",),
     ("pipeline",),
