@@ -34,9 +34,14 @@ from megatron_rl.config.schema import DataConfig, EnvironmentConfig
 from megatron_rl.rollout.types import RolloutEngine, RoutedExperts, SamplingSettings
 
 
+def group_id(step: int, prompt_id: str) -> str:
+    """The id of prompt ``prompt_id``'s group at ``step``: ``"<step>/<prompt_id>"``."""
+    return f"{step}/{prompt_id}"
+
+
 def request_id(step: int, prompt_id: str, k: int) -> str:
     """Unique id of sample ``k`` of prompt ``prompt_id`` at ``step``: ``"<step>/<prompt_id>/<k>"``."""
-    return f"{step}/{prompt_id}/{k}"
+    return f"{group_id(step, prompt_id)}/{k}"
 
 
 def request_seed(base_seed: int, step: int, prompt_id: str, k: int) -> int:
@@ -71,8 +76,12 @@ class BatchRequest:
     group_size: int  # G
     base_seed: int  # rollout.sampling.seed
 
+    def group_id(self, p: int) -> str:
+        """Prompt ``p``'s group: ``"<step>/<prompt_id>"``, the prefix of its trajectories' ids."""
+        return group_id(self.step, self.items[p].record.prompt_id)
+
     def request_id(self, p: int, k: int) -> str:
-        """Trajectory ``k`` of prompt ``p``: ``"<step>/<prompt_id>/<k>"``."""
+        """Trajectory ``k`` of prompt ``p``: ``"<step>/<prompt_id>/<k>"`` (``request_id``)."""
         return request_id(self.step, self.items[p].record.prompt_id, k)
 
     def seed(self, key: str, k: int) -> int:

@@ -116,11 +116,11 @@ class MultiTurnGenerator:
         """Per prompt: trajectory ids "<step>/<prompt_id>/<k>", reset fields, per-turn seeds."""
         return [
             GroupStart(
-                base=f"{batch.step}/{it.record.prompt_id}",
+                base=batch.group_id(p),
                 fields=record_fields(it.record, instruction=self.settings.instruction),
                 seed=lambda k, turn, pid=it.record.prompt_id: batch.seed(f"{pid}/{turn}", k),
             )
-            for it in batch.items
+            for p, it in enumerate(batch.items)
         ]
 
     def _start(self, starts, group_size: int) -> tuple[dict[str, LiveTrajectory], list[FailedGroup]]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from megatron_rl.control import GroupSizeController
-from megatron_rl.generation.base import BatchRequest, FailedGroup, Generator, PromptItem, Trajectory, request_id
+from megatron_rl.generation.base import BatchRequest, FailedGroup, Generator, PromptItem, Trajectory
 from megatron_rl.pipeline.records import (
     BatchEnd,
     BatchStart,
@@ -100,14 +100,24 @@ class _Stopped(Exception):
 class _PendingBatch:
     """Bookkeeping of the batch being generated."""
 
-    step: int
-    items: Sequence[PromptItem]
-    group_size: int
+    request: BatchRequest  # what the generator is asked: step, prompts, G, seeds
     source_state: Mapping[str, Any] | None  # the prompt source's state_dict() after drawing the batch
     where: dict[str, tuple[int, int]]  # request id -> (prompt index, k), removed when answered
     slots: list[list[Sample | None]]
     dropped: int = 0
     scoring: list[tuple[int, int, Trajectory, Future]] = field(default_factory=list)  # (p, k, trajectory, reward)
+
+    @property
+    def step(self) -> int:
+        return self.request.step
+
+    @property
+    def items(self) -> tuple[PromptItem, ...]:
+        return self.request.items
+
+    @property
+    def group_size(self) -> int:
+        return self.request.group_size
 
 
 class Producer:
@@ -166,13 +176,10 @@ class Producer:
 
     def _produce_batch(self, i: int) -> None:
         batch = self._open_batch(i)
-        request = BatchRequest(
-            step=batch.step, items=tuple(batch.items), group_size=batch.group_size, base_seed=self._seed
-        )
         start, self._reward_s = time.perf_counter(), 0.0
         for out in self._inputs.generator.run(
             self._inputs.engine,
-            request,
+            batch.request,
             stop=self._stop,
             check_version=lambda rid, version: self._schedule.check_sample(i, version, rid),
         ):
@@ -197,29 +204,28 @@ class Producer:
             raise _Stopped
         group_size = self._inputs.controller.choose()
         prompts = self._inputs.prompts
-        items = list(prompts.next_batch())
+        items = tuple(prompts.next_batch())
         state_fn = getattr(prompts, "state_dict", None)
-        batch = self._new_batch(self._steps.steps[i], items, group_size, state_fn() if callable(state_fn) else None)
+        request = BatchRequest(step=self._steps.steps[i], items=items, group_size=group_size, base_seed=self._seed)
+        batch = self._new_batch(request, state_fn() if callable(state_fn) else None)
         self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
         return batch
 
-    def _new_batch(
-        self, step: int, items: Sequence[PromptItem], group_size: int, source_state: Mapping[str, Any] | None
-    ) -> _PendingBatch:
+    def _new_batch(self, request: BatchRequest, source_state: Mapping[str, Any] | None) -> _PendingBatch:
         where: dict[str, tuple[int, int]] = {}
-        for p, item in enumerate(items):
-            for k in range(group_size):
-                rid = request_id(step, item.record.prompt_id, k)
+        for p, item in enumerate(request.items):
+            for k in range(request.group_size):
+                rid = request.request_id(p, k)
                 if rid in where:
-                    raise ValueError(f"prompt_id {item.record.prompt_id!r} appears twice in the batch of step {step}")
+                    raise ValueError(
+                        f"prompt_id {item.record.prompt_id!r} appears twice in the batch of step {request.step}"
+                    )
                 where[rid] = (p, k)
         return _PendingBatch(
-            step=step,
-            items=items,
-            group_size=group_size,
+            request=request,
             source_state=source_state,
             where=where,
-            slots=[[None] * group_size for _ in items],
+            slots=[[None] * request.group_size for _ in request.items],
         )
 
     def _close_batch(self, batch: _PendingBatch, generation_s: float) -> None:
@@ -247,7 +253,7 @@ class Producer:
         one empty, not-kept group (``failed_group``)."""
         p, record = failed.prompt_index, batch.items[failed.prompt_index].record
         for k in range(batch.group_size):
-            if batch.where.pop(request_id(batch.step, record.prompt_id, k), None) is None:
+            if batch.where.pop(batch.request.request_id(p, k), None) is None:
                 raise RuntimeError(f"failed group {failed.base!r}: trajectory {k} was already answered")
         self._put(failed_group(step=batch.step, prompt_index=p, prompt_id=record.prompt_id))
 
