@@ -39,6 +39,7 @@ class LossInputs:
     current_version: int | None
     entropy: torch.Tensor | None  # [B, L] policy entropy, with grad
     compare_engine: bool  # old_logp (or logp) is the policy the engine ran
+    teacher_logp: torch.Tensor | None = None  # [B, L] teacher log-probs of the sampled tokens (distill.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,10 +72,12 @@ class Aggregation:
 
 @dataclass(frozen=True, kw_only=True)
 class LossEntry:
-    """One ``algorithm.loss`` kind: its token term and its aggregation."""
+    """One ``algorithm.loss`` kind: its token term and its aggregation. ``policy_term`` False:
+    no clipped surrogate (``distill``: the reverse-KL term to the teacher is the whole loss)."""
 
     token_term: TokenTerm
     aggregation: Aggregation
+    policy_term: bool = True
 
 
 def _old_policy_anchor(settings: LossSettings, inputs: LossInputs, finite_behav: torch.Tensor | None) -> Anchor:
@@ -146,6 +149,7 @@ LOSSES: dict[str, LossEntry] = {
     "dapo": LossEntry(token_term=CLIPPED, aggregation=TOKEN_MEAN),
     "dr_grpo": LossEntry(token_term=CLIPPED, aggregation=CONSTANT_LENGTH),
     "ppo_decoupled": LossEntry(token_term=DECOUPLED, aggregation=TOKEN_MEAN),
+    "distill": LossEntry(token_term=CLIPPED, aggregation=TOKEN_MEAN, policy_term=False),
 }
 
 

@@ -14,6 +14,7 @@ kind                  numerator (per micro-batch)                  denominator (
 ``bnpo``, ``dapo``    Σ ℓ·m                                        number of tokens
 ``dr_grpo``           Σ ℓ·m                                        sequences × max_response_len
 ``ppo_decoupled``     Σ ℓ·m                                        number of tokens
+``distill``           Σ ℓ·m  (ℓ: the reverse-KL term alone)         number of tokens
 ====================  ===========================================  ==========================
 
 Each row is an entry of ``loss_table.LOSSES`` (with the kind's token term: ``ppo_decoupled``'s
@@ -27,8 +28,10 @@ the token mean (TRL's ``bnpo`` normalises per micro-batch, its ``dapo`` per gene
 both equal this one for a single micro-batch); DAPO's own pieces are ``clip_high`` here and
 the data-side functions in ``dapo.py``. The KL and entropy terms are added per token and
 aggregated like the policy term (as TRL does for KL; TRL's entropy bonus is always a token
-mean). In ``ppo_decoupled``, ℓ carries the behaviour weight π_prox / π_behav and tokens the
-cap drops still count in the denominator (as in AReaL).
+mean); so is the on-policy distillation term (``distill.py``: the reverse KL to a teacher, added
+with ``distill_coef`` to any kind, or alone as ``distill``). In ``ppo_decoupled``, ℓ carries the
+behaviour weight π_prox / π_behav and tokens the cap drops still count in the denominator (as in
+AReaL).
 
 Rollout correction (``correction.py``): whenever ``behav_logp`` is given, the engine's log-
 probs are compared with the trainer's for the same weights (``old_logp``, or the detached
@@ -59,6 +62,7 @@ from megatron_rl.algorithms.correction import (
     nonfinite_behav,
     rollout_correction,
 )
+from megatron_rl.algorithms.distill import DistillTerm, distill_term
 from megatron_rl.algorithms.kl import KLEstimator, kl_estimate
 from megatron_rl.algorithms.loss_table import Anchor, LossInputs, loss_entry
 from megatron_rl.algorithms.metrics import LossMetrics
@@ -82,6 +86,9 @@ class LossSettings:
     kl_coef: float = KLConfig.coef  # weight of the per-token KL(π_θ ‖ π_ref) term; 0 = off
     kl_estimator: KLEstimator = KLConfig.estimator
     entropy_coef: float = AlgorithmConfig.entropy_coef  # weight of the entropy bonus (subtracted); 0 = off
+    # weight of the reverse-KL-to-teacher term (distill.py); 0 = off. from_config passes distill.coef
+    # when distill.teacher is set; kind 'distill' needs it > 0.
+    distill_coef: float = 0.0
     proximal: ProximalMode = AlgorithmConfig.proximal  # ppo_decoupled: old-policy forward or A-3PO
     behav_weight_cap: float | None = AlgorithmConfig.behav_weight_cap  # ppo_decoupled: drop π_prox/π_behav > cap
     max_response_len: int | None = None  # dr_grpo: the constant length normaliser
@@ -106,6 +113,10 @@ class LossSettings:
         raise_found(
             chain(clip_rule(self.clip_low, self.clip_high), decoupled_correction_rule(self.kind, self.correction.mode))
         )
+        if not (self.distill_coef >= 0):
+            raise ValueError(f"distill.coef must be >= 0, got {self.distill_coef}")
+        if not loss_entry(self.kind).policy_term and self.distill_coef <= 0:
+            raise ValueError(f"algorithm.loss={self.kind!r} needs distill.coef > 0 (and distill.teacher set)")
         if loss_entry(self.kind).aggregation.needs_max_response_len and (self.max_response_len or 0) <= 0:
             raise ValueError(
                 f"kind={self.kind!r} needs max_response_len > 0 (rollout.sampling.max_new_tokens), "
@@ -147,6 +158,7 @@ def policy_loss(
     current_version: int | None = None,
     entropy: torch.Tensor | None = None,
     compare_engine: bool = True,
+    teacher_logp: torch.Tensor | None = None,
 ) -> LossOutput:
     """One micro-batch's clipped policy loss; see the module docstring for the aggregation.
 
@@ -159,6 +171,8 @@ def policy_loss(
     ``advantages [B]``; ``denominator`` from ``loss_denominator``, summed over the batch.
     ``compare_engine=False``: ``old_logp`` (or ``logp``) is not the policy the engine ran (a later
     mini-batch without an old copy): nothing measured (no mode ratio, metrics); δ masking still acts.
+    ``teacher_logp [B, L]``: the teacher's log-probs of the sampled tokens, needed (with
+    ``behav_logp``) when ``distill_coef > 0`` (``distill.py``).
     """
     inputs = LossInputs(
         logp=logp,
@@ -171,6 +185,7 @@ def policy_loss(
         current_version=current_version,
         entropy=entropy,
         compare_engine=compare_engine,
+        teacher_logp=teacher_logp,
     )
     return _micro_batch_loss(settings, inputs, denominator)
 
@@ -228,6 +243,7 @@ class _TokenTerms:
     ratio: torch.Tensor  # [B, L] π_θ / anchor (1 on padding)
     adv: torch.Tensor  # [B, 1] advantages in logp's dtype
     kl_ref: torch.Tensor | None  # [B, L] KL estimate to the reference, if given
+    distill: DistillTerm | None  # the reverse-KL-to-teacher term, when distill_coef > 0
 
 
 def _token_terms(
@@ -241,6 +257,8 @@ def _token_terms(
     ratio = torch.exp(torch.where(counted, logp - anchor.logp, torch.zeros_like(logp)))
     clipped = torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if not loss_entry(settings.kind).policy_term:
+        per_token = torch.zeros_like(per_token)
     if anchor.behav is not None:
         per_token = per_token * anchor.behav.weight
     if correction_factor is not None:
@@ -252,14 +270,18 @@ def _token_terms(
         per_token = per_token + settings.kl_coef * kl_ref
     if settings.entropy_coef > 0:
         per_token = per_token - settings.entropy_coef * inputs.entropy
-    return _TokenTerms(per_token=per_token, ratio=ratio, adv=adv, kl_ref=kl_ref)
+    distill = None
+    if settings.distill_coef > 0:
+        distill = distill_term(ratio, inputs.behav_logp, inputs.teacher_logp, counted, settings.distill_coef)
+        per_token = per_token + distill.per_token
+    return _TokenTerms(per_token=per_token, ratio=ratio, adv=adv, kl_ref=kl_ref, distill=distill)
 
 
 def _check_shapes(inputs: LossInputs) -> None:
     logp = inputs.logp
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, L], got shape {tuple(logp.shape)}")
-    names = ("mask", "old_logp", "ref_logp", "behav_logp", "versions", "entropy")
+    names = ("mask", "old_logp", "ref_logp", "behav_logp", "versions", "entropy", "teacher_logp")
     for name in names:
         t = getattr(inputs, name)
         if t is not None and t.shape != logp.shape:
@@ -275,6 +297,8 @@ def _check_needed(settings: LossSettings, denominator: torch.Tensor | float, inp
         raise ValueError(f"kl_coef={settings.kl_coef} > 0 needs ref_logp")
     if settings.entropy_coef > 0 and inputs.entropy is None:
         raise ValueError(f"entropy_coef={settings.entropy_coef} > 0 needs entropy")
+    if settings.distill_coef > 0 and (inputs.teacher_logp is None or inputs.behav_logp is None):
+        raise ValueError(f"distill_coef={settings.distill_coef} > 0 needs teacher_logp and behav_logp")
 
 
 @torch.no_grad()
@@ -289,7 +313,7 @@ def _metrics(
     def peak(x: torch.Tensor) -> torch.Tensor:
         return torch.where(tokens, x, torch.zeros_like(x)).max().float()
 
-    ratio, behav, entropy = terms.ratio, anchor.behav, inputs.entropy
+    ratio, behav, entropy, distill = terms.ratio, anchor.behav, inputs.entropy, terms.distill
     low = (ratio < 1.0 - settings.clip_low) & (terms.adv < 0)
     high = (ratio > 1.0 + settings.clip_high) & (terms.adv > 0)
     return LossMetrics(
@@ -304,4 +328,6 @@ def _metrics(
         behav_weight_sum=None if behav is None else total(behav.weight),
         behav_weight_max=None if behav is None else peak(behav.weight),
         n_capped=None if behav is None else behav.n_capped.float(),
+        distill_kl_sum=None if distill is None else total(distill.reverse_kl),
+        distill_tokens=None if distill is None else (distill.covered & tokens).sum().float(),
     )

@@ -28,6 +28,8 @@ SUM_FIELDS = (
     "entropy_sum",
     "behav_weight_sum",
     "n_capped",
+    "distill_kl_sum",
+    "distill_tokens",
 )
 MAX_FIELDS = ("ratio_max", "behav_weight_max")
 
@@ -52,6 +54,8 @@ class LossMetrics:
     behav_weight_max: torch.Tensor | None = None
     n_capped: torch.Tensor | None = None  # counted tokens dropped by behav_weight_cap
     mismatch: MismatchMetrics | None = None  # engine vs trainer log-probs (given behav_logp)
+    distill_kl_sum: torch.Tensor | None = None  # Σ log π_behav − log π_teacher over covered loss tokens
+    distill_tokens: torch.Tensor | None = None  # loss tokens the teacher covered (finite log-probs)
 
     def merge(self, other: LossMetrics) -> LossMetrics:
         """Statistics of the union of both token sets (sums added, maxima maxed). ``mismatch``
@@ -92,4 +96,7 @@ class LossMetrics:
         out = {prefix + k: v for k, v in out.items()}
         if self.mismatch is not None:
             out.update(self.mismatch.to_log())
+        if self.distill_tokens is not None:  # the reverse KL to the teacher (distill.py), per covered token
+            out["distill/kl"] = float(self.distill_kl_sum) / max(float(self.distill_tokens), 1.0)
+            out["distill/tokens"] = float(self.distill_tokens)
         return out

@@ -18,7 +18,7 @@ from typing import Any, Literal
 # Every enum of the config, declared once; the components import these.
 DType = Literal["float32", "bfloat16"]
 AttentionBackend = Literal["auto", "reference", "split", "flex", "triton", "npu"]
-LossName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "ppo_decoupled"]
+LossName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "ppo_decoupled", "distill"]
 PipelineMode = Literal["sync", "periodic", "stale"]
 AdvantageScale = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
