@@ -401,6 +401,16 @@ def test_overriding_a_file_section_moves_its_errors_to_the_command_line(tmp_path
         (["data.source=prompts.jsonl", "data.options={min_terms: 2}"], {"data.options"}, ["reasoning_gym dataset"]),
         (["reward.fn=my pkg:fn"], {"reward.fn"}, ["pkg.mod:function"]),
         (["control.sagc.delta=1.5"], {"control.sagc.delta"}, ["(0, 1)"]),
+        (["lora.rank=-1"], {"lora.rank"}, [">= 0"]),
+        (["lora.rank=8", "lora.alpha=0"], {"lora.alpha"}, ["> 0"]),
+        (["lora.rank=8", "lora.dropout=1.0"], {"lora.dropout"}, ["[0, 1)"]),
+        (["lora.rank=8", "lora.target_modules=[]"], {"lora.target_modules"}, ["is empty"]),
+        (["lora.rank=8", "lora.target_modules=[q_proj]"], {"lora.target_modules"}, ["use 'linear_qkv'"]),
+        (["lora.rank=8", "lora.target_modules=[linear_qvk]"], {"lora.target_modules"}, ["did you mean 'linear_qkv'"]),
+        (["lora.target_modules=[linear_fc1, linear_fc1]"], {"lora.target_modules"}, ["twice"]),
+        (["lora.rank=8", "trainer.offload_reference=true"], {"trainer.offload_reference"}, ["no copy to offload"]),
+        (["lora.rank=8", "trainer.offload_old=true"], {"trainer.offload_old"}, ["no copy to offload"]),
+        (["lora.rank=8", "algorithm.routing_replay=rollout"], {"algorithm.routing_replay"}, ["LoRA on an MoE"]),
     ],
 )
 def test_cross_field_rules_name_their_keys(tmp_path, overrides, keys, words):
@@ -423,6 +433,7 @@ def test_valid_corner_cases_pass(tmp_path):
             "reward.fn=my_pkg.rewards:exact",
         ],
         ["control.kind=sagc", "control.sagc.candidates=[2, 4]", "control.group_size=2"],
+        ["lora.rank=8", "lora.target_modules=[linear_qkv, linear_proj]", "algorithm.kl.coef=0.1"],
         [
             "data.source=/data/train.parquet",
             "rollout.devices=['npu:0,1', 'npu:2-3']",
@@ -453,6 +464,13 @@ def test_megatron_passthrough_names_are_checked(tmp_path):
         "model.megatron.tensor_model_parallel_size",
     }
     assert "did you mean 'recompute_granularity'" in str(err) and "parallel.tp" in str(err)
+
+
+def test_lora_on_an_moe_model_is_refused(tmp_path):
+    moe = {**SMOLLM2, "num_local_experts": 4, "num_experts_per_tok": 2}
+    err = error(tmp_path, overrides=["lora.rank=8"], hf=moe)
+    assert "lora.rank" in err.keys and "MoE model" in str(err)
+    assert load(tmp_path, overrides=["lora.rank=0"], hf=moe).lora.rank == 0
 
 
 # ---- model.hf_path/config.json --------------------------------------------------------------

@@ -45,6 +45,7 @@ NON_NEGATIVE = (
     "algorithm.mismatch_alarm.logprob_abs_diff_max", "algorithm.mismatch_alarm.kl_k3",
     "algorithm.mismatch_alarm.seq_ratio_max", "algorithm.mismatch_alarm.masked_fraction",
     "environment.max_failures", "model.moe.aux_loss_coeff", "model.moe.z_loss_coeff",
+    "lora.rank", "lora.seed",
 )
 # fmt: on
 BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -64,6 +65,8 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "control.sagc.tau": (lambda v: v > 1, "must be > 1 (a ratio max/median response length)"),
     "control.sagc.delta": (lambda v: 0 < v < 1, "must be in (0, 1) (a target rate)"),
     "control.sagc.gamma": (lambda v: 0 < v <= 1, "must be in (0, 1] (a forgetting factor)"),
+    "lora.alpha": (lambda v: v > 0, "must be > 0 (the adapter scale is lora.alpha / lora.rank)"),
+    "lora.dropout": (lambda v: 0 <= v < 1, "must be in [0, 1) (dropout on the adapters' input)"),
 }
 
 

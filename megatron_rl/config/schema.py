@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .schema_lora import LoraConfig
+
 # Every enum of the config, declared once; the components import these.
 DType = Literal["float32", "bfloat16"]
 AttentionBackend = Literal["auto", "reference", "split", "flex", "triton", "npu"]
@@ -369,4 +371,5 @@ class Config:
     data: DataConfig  # prompt dataset
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward function
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn environment
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: full fine-tuning)
     trainer: TrainerConfig  # loop, optimizer, checkpoints

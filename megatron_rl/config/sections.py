@@ -27,6 +27,7 @@ from .errors import suggest
 from .fields import Found, check_value, raise_found, schema_type
 from .model_shape import check_megatron_passthrough
 from .schema import BuiltinController, BuiltinEnvironment, BuiltinGenerator, Config
+from .schema_lora import LORA_TARGETS
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # "pkg.mod:Name"
 BUILTIN_CONTROLLERS: tuple[str, ...] = get_args(BuiltinController)
@@ -285,6 +286,28 @@ def _environment(e: Any) -> Found:
         yield "environment.options", "are keyword arguments of an environment; environment.kind 'none' takes none"
 
 
+# HF projection names -> the megatron linear that fuses them (a LoRA target names the latter)
+HF_PROJECTIONS = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj"), "linear_qkv"),
+    "o_proj": "linear_proj",
+    **dict.fromkeys(("gate_proj", "up_proj"), "linear_fc1"),
+    "down_proj": "linear_fc2",
+}
+
+
+def _lora(lo: Any) -> Found:
+    """lora.target_modules: distinct megatron linear names among LORA_TARGETS, at least one."""
+    if not lo.target_modules:
+        yield "lora.target_modules", f"is empty: name at least one of {', '.join(LORA_TARGETS)}"
+    for name in lo.target_modules:
+        if name not in LORA_TARGETS:
+            hf = HF_PROJECTIONS.get(name)
+            hint = f"use {hf!r} (the megatron linear that holds HF's {name})" if hf else suggest(name, LORA_TARGETS)
+            yield "lora.target_modules", f"{name!r} is not a megatron linear LoRA adapts; {hint}"
+    if len(set(lo.target_modules)) != len(lo.target_modules):
+        yield "lora.target_modules", f"names a module twice: {lo.target_modules}"
+
+
 def _trainer(t: Any) -> Found:
     """Each optimizer step takes prompts_per_batch / mini_batches prompts; saving needs a place."""
     if t.prompts_per_batch % t.mini_batches:
@@ -312,5 +335,6 @@ SECTION_RULES: dict[str, Callable[[Any], Found]] = {
     "data": _data,
     "reward": _reward,
     "environment": _environment,
+    "lora": _lora,
     "trainer": _trainer,
 }

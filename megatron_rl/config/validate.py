@@ -36,6 +36,7 @@ def validate(cfg: Config, *, hf_config: dict[str, Any] | None = None, origins: O
         shape, shape_problems = model_shape(cfg, hf_config)
         found += shape_problems
         found += check_routing_replay(cfg, hf_config)
+        found += check_lora(cfg, hf_config)
         if shape is not None:
             found += check_model_parallel(cfg, shape)
     if found:
@@ -102,6 +103,28 @@ def check_routing_replay(cfg: Config, hf_config: dict[str, Any] | None) -> Found
                 "return them (enable_return_routed_experts lives in vLLM's GPU model runner): use rollout.engine "
                 "'hf' on CPU, or vLLM engines on cuda / npu devices"
             ),
+        )
+
+
+def check_lora(cfg: Config, hf_config: dict[str, Any] | None) -> Found:
+    """LoRA (lora.rank > 0) runs old and reference on the policy's module (nothing to offload), on
+    a dense model (routed MoE experts are not adapted, and routing replay is not wired for it)."""
+    if cfg.lora.rank == 0:
+        return
+    shared = "with LoRA the reference is the policy's base (adapters off) and old an adapter snapshot"
+    for key in ("offload_old", "offload_reference"):
+        if getattr(cfg.trainer, key):
+            yield f"trainer.{key}", f"{shared}: there is no copy to offload; set it to false (lora.rank > 0)"
+    if cfg.algorithm.routing_replay != "none":
+        yield "algorithm.routing_replay", "LoRA on an MoE model is not supported: set it to 'none' or lora.rank: 0"
+    if hf_config is None:
+        hf_config, _ = read_hf_json(Path(cfg.model.hf_path))  # unreadable: model_shape reports it
+    hf = (hf_config or {}).get("text_config", hf_config or {})
+    if any(hf.get(k) for k in MOE_EXPERT_KEYS):
+        yield (
+            "lora.rank",
+            f"{cfg.model.hf_path}/config.json is an MoE model: LoRA adapts dense attention / MLP linears only "
+            "(routed experts are not adapted or tested yet); use lora.rank: 0",
         )
 
 

@@ -68,22 +68,33 @@ class LoraAdapter(torch.nn.Module):
             raise ValueError(f"a row-parallel linear holds one adapter, got {len(parts)}")
         self.parts = torch.nn.ModuleDict({p.hf_name.rsplit(".", 1)[-1]: p for p in parts})
         self.parallel, self.layout, self.scale, self.dropout = parallel, layout, scale, dropout
+        self.off = False  # lora.switch.adapters_off: the hook adds nothing (the base linear alone)
+        # lora.switch.adapters_from: (A, B) per part used instead of the parameters (no dropout)
+        self.swapped: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+    def weights(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(A, B) of each part as the forward uses them: the swapped-in snapshot's, else the parameters."""
+        if self.swapped is not None:
+            return self.swapped
+        return tuple((p.lora_A, p.lora_B) for p in self.parts.values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's term for input ``x`` (the base linear's input, [s, b, in or in / tp])."""
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region as enter_tp
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as reduce_tp
 
-        parts = list(self.parts.values())
+        pairs = self.weights()
         if self.parallel == "row":
-            low = reduce_tp(F.linear(self._drop(x), parts[0].lora_A))
-            return self.scale * F.linear(low, parts[0].lora_B)
-        ys = [F.linear(enter_tp(F.linear(self._drop(x), p.lora_A)), p.lora_B) for p in parts]
+            ((a, b),) = pairs
+            return self.scale * F.linear(reduce_tp(F.linear(self._drop(x), a)), b)
+        ys = [F.linear(enter_tp(F.linear(self._drop(x), a)), b) for a, b in pairs]
         return self.scale * self.layout.combine([y.movedim(-1, 0) for y in ys]).movedim(0, -1)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        # One mask per part, as PEFT's separate q / k / v (gate / up) modules draw.
-        return F.dropout(x, self.dropout, self.training) if self.dropout else x
+        # One mask per part, as PEFT's separate q / k / v (gate / up) modules draw; a swapped-in
+        # snapshot (the old policy, scored without grad) runs as in eval mode.
+        training = self.training and self.swapped is None
+        return F.dropout(x, self.dropout, training) if self.dropout else x
 
     def delta(self) -> torch.Tensor:
         """``scale * B A`` for this rank's shard of the base weight (its shape and row order)."""
@@ -93,6 +104,8 @@ class LoraAdapter(torch.nn.Module):
 def add_lora_output(module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
     """Forward hook on an adapted megatron linear: its ``(output, bias)`` with the adapter's term
     added to the output (with ``skip_bias_add`` the bias stays apart, as megatron returns it)."""
+    if module.lora.off:
+        return output
     out, bias = output
     return out + module.lora(args[0]), bias
 

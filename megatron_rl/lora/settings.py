@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# megatron-core's linear names a LoRA target may name (a GPTModel's attention and MLP linears).
-TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from megatron_rl.config.schema_lora import LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -18,7 +17,7 @@ class LoraSettings:
     rank: int
     alpha: float
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = TARGET_MODULES
+    target_modules: tuple[str, ...] = LORA_TARGETS
     seed: int = 0
 
     def __post_init__(self):
@@ -29,10 +28,10 @@ class LoraSettings:
         if not isinstance(self.dropout, int | float) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoraSettings.dropout must be in [0, 1), got {self.dropout!r}")
         targets = tuple(self.target_modules)
-        unknown = [t for t in targets if t not in TARGET_MODULES]
+        unknown = [t for t in targets if t not in LORA_TARGETS]
         if not targets or unknown or len(set(targets)) != len(targets):
             raise ValueError(
-                f"LoraSettings.target_modules must be distinct names among {TARGET_MODULES}, got {targets!r}"
+                f"LoraSettings.target_modules must be distinct names among {LORA_TARGETS}, got {targets!r}"
             )
         object.__setattr__(self, "target_modules", targets)
 

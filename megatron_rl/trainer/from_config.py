@@ -12,9 +12,11 @@ from megatron_rl.control import SAGCSettings
 from megatron_rl.data import TokenizedPrompt, load_prompts
 from megatron_rl.data.prompts import DataReport
 from megatron_rl.generation import Generator, GeneratorSetup, build_generator
+from megatron_rl.lora import LoraSettings
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
+from megatron_rl.pipeline.teacher import TeacherSettings, TeacherStage, check_same_tokenizer
 from megatron_rl.rewards import GuardedReward, load_guarded_reward
-from megatron_rl.rollout import EngineSettings, SamplingSettings
+from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
 from megatron_rl.trainer import build
 from megatron_rl.trainer.build import TrainerSettings
 from megatron_rl.trimodel import TriModelPlan
@@ -34,12 +36,23 @@ def loss_settings(cfg: Config) -> LossSettings:
         max_response_len=cfg.rollout.sampling.max_new_tokens,
         correction=RolloutCorrection(**vars(a.rollout_correction)),
         mismatch_alarm=MismatchAlarm(**vars(a.mismatch_alarm)),
+        distill_coef=cfg.distill.coef if cfg.distill.teacher is not None else 0.0,  # on-policy distillation
     )
 
 
 def trimodel_plan(cfg: Config) -> TriModelPlan:
     """Which copies the trainer of ``cfg`` runs and where they live (``build.trimodel_plan``)."""
-    return build.trimodel_plan(loss_settings(cfg), cfg.trainer)
+    return build.trimodel_plan(loss_settings(cfg), cfg.trainer, lora=cfg.lora.rank > 0)
+
+
+def lora_settings(cfg: Config) -> LoraSettings | None:
+    """The ``lora`` section's adapters on the policy; None for ``lora.rank: 0`` (full fine-tuning)."""
+    lo = cfg.lora
+    if lo.rank == 0:
+        return None
+    return LoraSettings(
+        rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tuple(lo.target_modules), seed=lo.seed
+    )
 
 
 def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerSettings:
@@ -55,6 +68,7 @@ def trainer_settings(cfg: Config, *, policy_path: str | None = None) -> TrainerS
         temperature=cfg.algorithm.temperature,
         loss=loss_settings(cfg),
         routing_replay=cfg.algorithm.routing_replay == "rollout",
+        lora=lora_settings(cfg),
     )
 
 
@@ -68,6 +82,26 @@ def engine_settings(cfg: Config, *, model_path: str | None = None, initial_versi
         return_routed_experts=cfg.algorithm.routing_replay == "rollout",
         initial_version=initial_version,
     )
+
+
+def teacher_stage(cfg: Config, tokenizer) -> TeacherStage | None:
+    """On-policy distillation: the teacher's engines (``distill``'s own engine, devices, dtype) behind
+    a ``TeacherStage``; None when ``distill.teacher`` is unset. ``ValueError`` naming
+    ``distill.teacher`` when its tokenizer is not the student's ``tokenizer``."""
+    from transformers import AutoTokenizer
+
+    d = cfg.distill
+    if d.teacher is None:
+        return None
+    check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(d.teacher), d.teacher)
+    own = {k: v for k, v in vars(d).items() if k not in ("teacher", "coef", "concurrency")}
+    settings = EngineSettings(
+        **{**vars(cfg.rollout), **own, "engine_nodes": [], "record": None},
+        model_path=d.teacher,
+        model_dtype=cfg.model.dtype,
+    )
+    teacher = TeacherSettings(temperature=cfg.algorithm.temperature, concurrency=d.concurrency)
+    return TeacherStage(build_engine(settings), teacher)
 
 
 def sampling_settings(cfg: Config, tokenizer) -> SamplingSettings:
@@ -91,7 +125,11 @@ def generator(cfg: Config, tokenizer, sampling: SamplingSettings) -> Generator:
     """The generator ``rollout.generator`` names; ``auto``: ``single_turn`` for ``environment.kind:
     none`` (one response per prompt), else ``multi_turn`` (the environment's turns)."""
     setup = GeneratorSetup(
-        sampling=sampling, tokenizer=tokenizer, environment=cfg.environment, instruction=cfg.data.instruction
+        sampling=sampling,
+        tokenizer=tokenizer,
+        environment=cfg.environment,
+        instruction=cfg.data.instruction,
+        agent=cfg.agent,
     )
     name = cfg.rollout.generator
     if name == "auto":

@@ -7,7 +7,9 @@ hidden streams travelling together between stages (``TriStage``), yielding per m
 ``TriLogprobs`` (policy with grad, old / ref without) that the loss callback turns into
 ``(loss, payload)``. Offloaded copies are put on the device for the micro-step and back on
 host memory after it. ``refresh_old()`` snapshots the policy into the old copy: call it at
-the start of every iteration (before the batch's first forward).
+the start of every iteration (before the batch's first forward). With a LoRA plan
+(``plan.lora``) no copy is built: ref is the policy's module with adapters off, old the same
+module with an adapter snapshot (``lora.switch``) swapped in, the snapshot being all old costs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_rl.attention.packing import PackedMicroBatch
+from megatron_rl.lora.switch import adapters_from, adapters_off, refresh_snapshot, snapshot_adapters
 from megatron_rl.parallel.schedule import run_schedule
 from megatron_rl.platform.patches.finalize_grads import scoped_finalize_model_grads
 from megatron_rl.trimodel.offload import HostOffload
@@ -63,6 +66,10 @@ def _param_bytes(module: torch.nn.Module | None) -> int:
 
 
 def _check_copy(name: str, module: torch.nn.Module | None, plan: CopyPlan) -> None:
+    if plan.residency is Residency.SHARED and module is not None:
+        raise ValueError(f"{name} is computed on the policy's module ({plan.reason}); pass {name}=None")
+    if plan.residency is Residency.SHARED:
+        return
     if plan.active and module is None:
         raise ValueError(f"{name}=None but the plan needs it ({plan.reason})")
     if not plan.active and module is not None:
@@ -98,9 +105,12 @@ class TriModel:
             module.eval()
             if copy_plan.residency is Residency.OFFLOADED:
                 self._offload[name] = HostOffload(module, device=device)
+        if logprobs.routing_replay and plan.lora:
+            raise ValueError("algorithm.routing_replay 'rollout' with LoRA is not supported (lora.rank > 0)")
         if logprobs.routing_replay:
             _attach_replay(policy, old)
-        self.stage = TriStage(policy=policy, old=old, ref=ref, logprobs=logprobs)
+        self._snapshot = snapshot_adapters(unwrap(policy)) if plan.old.residency is Residency.SHARED else None
+        self.stage = TriStage(policy=policy, old=old, ref=ref, logprobs=logprobs, shared=self._shared_switches())
 
     def run(
         self,
@@ -131,9 +141,22 @@ class TriModel:
                 forward_only=forward_only,
             )
 
+    def _shared_switches(self) -> dict:
+        """The switches of the copies run on the policy's module (LoRA plans)."""
+        inner, shared = unwrap(self.policy), {}
+        if self.plan.ref.residency is Residency.SHARED:
+            shared["ref"] = lambda: adapters_off(inner)
+        if self._snapshot is not None:
+            shared["old"] = lambda: adapters_from(inner, self._snapshot)
+        return shared
+
     @torch.no_grad()
     def refresh_old(self) -> bool:
-        """Copy the policy's parameters into the old copy (iteration start); False when old is skipped."""
+        """Copy the policy's parameters into the old copy (iteration start), with LoRA its adapters
+        into the snapshot; False when old is skipped."""
+        if self._snapshot is not None:
+            refresh_snapshot(self._snapshot, unwrap(self.policy))
+            return True
         if self.old is None:
             return False
         pairs = zip(unwrap(self.policy).named_parameters(), self.old.named_parameters(), strict=True)
@@ -145,15 +168,16 @@ class TriModel:
     def memory_report(self) -> TriModelMemory:
         """Parameter bytes per copy on this rank, by residency (for the metrics)."""
 
-        def copy(module: torch.nn.Module | None, residency: Residency) -> CopyMemory:
-            n = _param_bytes(module)
+        def copy(module: torch.nn.Module | None, residency: Residency, shared_bytes: int = 0) -> CopyMemory:
+            n = shared_bytes if residency is Residency.SHARED else _param_bytes(module)
             on_host = residency is Residency.OFFLOADED
             return CopyMemory(residency=residency, device_bytes=0 if on_host else n, host_bytes=n if on_host else 0)
 
+        snapshot = self._snapshot.nbytes if self._snapshot is not None else 0  # LoRA: all old holds
         return TriModelMemory(
             policy=copy(unwrap(self.policy), Residency.RESIDENT),
-            old=copy(self.old, self.plan.old.residency),
-            ref=copy(self.ref, self.plan.ref.residency),
+            old=copy(self.old, self.plan.old.residency, snapshot),
+            ref=copy(self.ref, self.plan.ref.residency),  # LoRA: 0, the policy's base with adapters off
             bytes_onloaded=sum(o.bytes_onloaded for o in self._offload.values()),
         )
 
@@ -177,8 +201,8 @@ class TriModel:
             if self.stage.routing_replay:
                 from megatron_rl.trimodel.routing import clear
 
-                for module, _ in self.stage.streams():
-                    clear(module)
+                for stream in self.stage.streams():
+                    clear(stream.module)
 
     def _finalize_on_policy(self, enabled: bool):
         """Megatron's ``finalize_model_grads`` scoped to the policy chunk for one schedule
@@ -208,6 +232,8 @@ def load_frozen_copies(
     """
     from megatron_rl.models import load_model_from_hf
 
+    if plan.lora:
+        return None, None  # old and ref run on the policy's module
     old = load_model_from_hf(policy_path, **build)[0] if plan.old.active else None
     ref = load_model_from_hf(ref_path or policy_path, **build)[0] if plan.ref.active else None
     return old, ref

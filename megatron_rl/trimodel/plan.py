@@ -14,6 +14,11 @@ micro-steps, moved to the device for each one) or ``skipped`` (not built, not ru
   mismatch is measured on the first mini-batch only, where the policy still is θ_t);
 - the reference is skipped when no loss term needs it (``kl_coef == 0``).
 
+With LoRA (``lora=True``) a kept copy is ``shared``: no copy of the weights exists. The reference
+is the policy's own module with its adapters off (the frozen base), the old policy the same
+module with a snapshot of the adapter tensors (taken at ``refresh_old``) swapped in; only that
+snapshot takes memory. Offloading has nothing to move and is refused.
+
 ``plan_trimodel`` makes that decision once, from the loss settings and the optimizer steps
 per batch; the plan's ``reasons`` go to the run log.
 """
@@ -35,6 +40,7 @@ class Residency(enum.Enum):
     RESIDENT = "resident"  # device memory throughout
     OFFLOADED = "offloaded"  # host memory; on the device only during a micro-step
     SKIPPED = "skipped"  # not built and not run
+    SHARED = "shared"  # run on the policy's module (LoRA: ref = adapters off, old = adapter snapshot)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,11 +61,19 @@ class TriModelPlan:
 
     old: CopyPlan
     ref: CopyPlan
+    lora: bool = False  # the policy carries LoRA adapters: kept copies are SHARED
 
     @property
     def active(self) -> tuple[str, ...]:
         """The copies that run, in stream order: ``policy`` first, then ``old``, ``ref``."""
         return ("policy",) + tuple(name for name in COPIES[1:] if getattr(self, name).active)
+
+    @property
+    def own_weights(self) -> tuple[str, ...]:
+        """The copies holding weights of their own (resident or offloaded); a shared copy runs
+        on the policy's weights (the old policy's adapter snapshot aside)."""
+        kinds = (Residency.RESIDENT, Residency.OFFLOADED)
+        return ("policy",) + tuple(name for name in COPIES[1:] if getattr(self, name).residency in kinds)
 
     @property
     def reasons(self) -> tuple[str, ...]:
@@ -82,10 +96,15 @@ def plan_trimodel(
     optimizer_steps_per_batch: int,
     offload_old: bool = TrainerConfig.offload_old,
     offload_ref: bool = TrainerConfig.offload_reference,
+    lora: bool = False,
 ) -> TriModelPlan:
-    """Decide which of old / ref run and where they live (see the module docstring)."""
+    """Decide which of old / ref run and where they live (see the module docstring); ``lora``:
+    the policy carries adapters, so kept copies share its module."""
     if optimizer_steps_per_batch < 1:
         raise ValueError(f"optimizer_steps_per_batch must be >= 1, got {optimizer_steps_per_batch}")
+    if lora and (offload_old or offload_ref):
+        key = "trainer.offload_old" if offload_old else "trainer.offload_reference"
+        raise ValueError(f"{key} with LoRA: old and reference share the policy's module, nothing to offload")
     steps = optimizer_steps_per_batch
     corrects = loss.correction.mode != "none"
     if loss.kind == "ppo_decoupled" and loss.proximal == "loglinear" and not (steps > 1 and corrects):
@@ -113,4 +132,14 @@ def plan_trimodel(
         ref = CopyPlan(residency=Residency.SKIPPED, reason="ref skipped: kl_coef = 0 (no loss term needs it)")
     else:
         ref = _kept("ref", offload_ref, f"kl_coef = {loss.kl_coef}")
-    return TriModelPlan(old=old, ref=ref)
+    if lora:
+        old, ref = _shared(old, "the adapter snapshot taken at the iteration start"), _shared(ref, "adapters off")
+    return TriModelPlan(old=old, ref=ref, lora=lora)
+
+
+def _shared(plan: CopyPlan, how: str) -> CopyPlan:
+    """A kept copy of a LoRA policy: the policy's module with ``how`` (no copy of the weights)."""
+    if not plan.active:
+        return plan
+    name, why = plan.reason.split(" ", 1)[0], plan.reason.split(": ", 1)[1]
+    return CopyPlan(residency=Residency.SHARED, reason=f"{name} shared: the policy's module with {how} (LoRA); {why}")

@@ -6,11 +6,14 @@ the active frozen copies (old, ref). Contract with megatron-core 0.16's schedule
 - ``set_input_tensor([x])`` gets the activation received from the previous stage, the
   hidden streams of the active copies side by side on the batch dim: ``[s, n·b, h]``
   (``[T, n, h]`` for one packed micro-batch, n = 1..3, policy first). It is split into n
-  chunks, one per copy's ``set_input_tensor``.
+  chunks, kept per stream and handed to the stream module's ``set_input_tensor`` right before
+  that stream's forward (with LoRA one module computes several streams).
 - ``forward(mb)`` runs the policy with grad and the frozen copies under ``no_grad`` on the
-  packed micro-batch ``mb``. A non-last stage returns ``torch.cat(hidden, dim=1)`` (the
-  tensor sent on); the last stage returns ``TriLogprobs`` (each copy's logits are reduced to
-  per-token log-probs right away, so at most one copy's ``[T, V/tp]`` logits live at a time).
+  packed micro-batch ``mb``; a ``shared`` copy (LoRA) is the policy's module under a switch
+  (``lora.switch``: adapters off for the reference, the adapter snapshot for the old policy).
+  A non-last stage returns ``torch.cat(hidden, dim=1)`` (the tensor sent on); the last stage
+  returns ``TriLogprobs`` (each copy's logits are reduced to per-token log-probs right away, so
+  at most one copy's ``[T, V/tp]`` logits live at a time).
 - Backward: the schedule backpropagates the received gradient of the concatenated output;
   the frozen slices were produced without a graph, so their gradient (zeros in the slice
   sent back by the next stage) reaches nothing, and only policy parameters get gradients.
@@ -19,6 +22,7 @@ the active frozen copies (old, ref). Contract with megatron-core 0.16's schedule
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,24 @@ class TriLogprobs:
     old_is_policy: bool  # True when ``old`` is the detached policy (old skipped)
 
 
+Switch = Callable[[], contextlib.AbstractContextManager]  # a copy's context around its forward
+
+
+@dataclass(frozen=True, eq=False)
+class Stream:
+    """One hidden stream of the stage: the copy it scores (``policy``, ``old`` or ``ref``), the
+    module that computes it and the context it runs under (LoRA: adapters off / snapshot in)."""
+
+    name: str
+    module: torch.nn.Module
+    switch: Switch = contextlib.nullcontext
+
+    @property
+    def frozen(self) -> bool:
+        """Scored without grad (every copy but the policy)."""
+        return self.name != "policy"
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The innermost module of a wrapper chain (megatron DDP, Float16Module) via ``.module``."""
     while hasattr(model, "module"):
@@ -70,10 +92,23 @@ class TriStage(torch.nn.Module):
         old: torch.nn.Module | None,
         ref: torch.nn.Module | None,
         logprobs: LogprobSettings,
+        shared: Mapping[str, Switch] | None = None,
     ) -> None:
+        """``shared``: copies (``old`` / ``ref``, given as None) computed by the policy's own
+        module under the given switch (LoRA)."""
         super().__init__()
         self.policy, self.old, self.ref = policy, old, ref
         self.logprobs = logprobs
+        shared = dict(shared or {})
+        self._streams = [Stream("policy", policy)]
+        for name, module in (("old", old), ("ref", ref)):
+            if module is not None and name in shared:
+                raise ValueError(f"{name} is given as a module and as shared with the policy")
+            if module is not None:
+                self._streams.append(Stream(name, module))
+            elif name in shared:
+                self._streams.append(Stream(name, policy, shared[name]))
+        self._inputs: list[torch.Tensor | None] = [None] * len(self._streams)
         inner = unwrap(policy)
         self.config = inner.config  # megatron's schedule reads it via get_model_config
         self.model_type = inner.model_type
@@ -84,53 +119,57 @@ class TriStage(torch.nn.Module):
         """Whether policy and old replay the engine's routes (``LogprobSettings.routing_replay``)."""
         return self.logprobs.routing_replay
 
-    def streams(self) -> list[tuple[torch.nn.Module, bool]]:
-        """(module, frozen) of the active copies in stream order: policy, old, ref."""
-        return [(self.policy, False)] + [(m, True) for m in (self.old, self.ref) if m is not None]
+    def streams(self) -> list[Stream]:
+        """The active copies' streams in order: policy, old, ref."""
+        return list(self._streams)
 
     def set_input_tensor(self, input_tensor: list[torch.Tensor | None] | torch.Tensor | None) -> None:
-        """Split the received ``[s, n·b, h]`` activation into the n copies' inputs."""
+        """Split the received ``[s, n·b, h]`` activation into the n streams' inputs (kept until
+        each stream's forward)."""
         (x,) = input_tensor if isinstance(input_tensor, list) else [input_tensor]
-        streams = self.streams()
-        assert x is None or x.shape[1] % len(streams) == 0, f"received {tuple(x.shape)} for {len(streams)} streams"
-        chunks = [None] * len(streams) if x is None else x.chunk(len(streams), dim=1)
-        for (module, frozen), chunk in zip(streams, chunks, strict=True):
-            if chunk is not None:
-                chunk = chunk.detach() if frozen else chunk.contiguous()
-            unwrap(module).set_input_tensor([chunk])
+        n = len(self._streams)
+        assert x is None or x.shape[1] % n == 0, f"received {tuple(x.shape)} for {n} streams"
+        chunks = [None] * n if x is None else x.chunk(n, dim=1)
+        self._inputs = [
+            None if chunk is None else chunk.detach() if stream.frozen else chunk.contiguous()
+            for stream, chunk in zip(self._streams, chunks, strict=True)
+        ]
 
     def forward(self, mb: PackedMicroBatch) -> torch.Tensor | TriLogprobs:
         """Hidden ``[T, n, h]`` on a non-last stage; ``TriLogprobs`` of ``mb`` on the last."""
         device = next(unwrap(self.policy).parameters()).device
         ids, pos = mb.token_ids.to(device)[None], mb.position_ids.to(device)[None]
         index, targets = mb.logit_index.to(device), mb.target_ids.to(device)
-        outs = []
+        outs = {}
         with packed_attention(mb.layout):
-            for module, frozen in self.streams():
-                with torch.no_grad() if frozen else contextlib.nullcontext(), self._routes(module, mb, device):
+            for stream, chunk in zip(self._streams, self._inputs, strict=True):
+                module = stream.module
+                unwrap(module).set_input_tensor([chunk])  # right before its forward: a module may be shared
+                grad = torch.no_grad() if stream.frozen else contextlib.nullcontext()
+                with grad, stream.switch(), self._routes(stream, mb, device):
                     if not self.post_process:
-                        outs.append(module(ids, pos, attention_mask=None))
+                        outs[stream.name] = module(ids, pos, attention_mask=None)
                         continue
                     with hidden_states_only(unwrap(module)):
                         hidden = module(ids, pos, attention_mask=None)  # [T, 1, h]
-                    outs.append(self._reduce(module, hidden[index, 0], targets, frozen))
+                    outs[stream.name] = self._reduce(module, hidden[index, 0], targets, stream.frozen)
         if not self.post_process:
-            return torch.cat(outs, dim=1)
-        policy_lp, policy_ent = outs[0]
-        old = outs[1][0] if self.old is not None else policy_lp.detach()
-        ref = outs[-1][0] if self.ref is not None else None
-        return TriLogprobs(policy=policy_lp, old=old, ref=ref, entropy=policy_ent, old_is_policy=self.old is None)
+            return torch.cat(list(outs.values()), dim=1)
+        policy_lp, policy_ent = outs["policy"]
+        old = outs["old"][0] if "old" in outs else policy_lp.detach()
+        ref = outs["ref"][0] if "ref" in outs else None
+        return TriLogprobs(policy=policy_lp, old=old, ref=ref, entropy=policy_ent, old_is_policy="old" not in outs)
 
-    def _routes(self, module: torch.nn.Module, mb: PackedMicroBatch, device: torch.device):
-        """The engine's routes forced on ``module``'s routers for its forward (policy and old
-        replay, the reference routes itself: ``trimodel/routing.py`` says why)."""
-        if not self.routing_replay or module is self.ref:
+    def _routes(self, stream: Stream, mb: PackedMicroBatch, device: torch.device):
+        """The engine's routes forced on the stream module's routers for its forward (policy and
+        old replay, the reference routes itself: ``trimodel/routing.py`` says why)."""
+        if not self.routing_replay or stream.name == "ref":
             return contextlib.nullcontext()
         if mb.routed_experts is None:
             raise ValueError("algorithm.routing_replay is 'rollout' but a micro-batch carries no routed experts")
         from megatron_rl.trimodel.routing import replaying
 
-        return replaying(unwrap(module), mb.routed_experts.to(device), backward=module is self.policy)
+        return replaying(unwrap(stream.module), mb.routed_experts.to(device), backward=stream.name == "policy")
 
     def _reduce(self, module: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, frozen: bool):
         """Hidden states ``[N, h]`` of the scored positions -> (log-probs [N], entropy [N] or None)."""
