@@ -298,10 +298,18 @@ class DataConfig:
     skip_bad_rows: bool = True  # skip (and count) malformed file rows; false: the first one is an error
 
 
+from .schema_reward_model import JudgeConfig, RewardKind, RewardModelConfig  # noqa: E402 (reuses the enums above)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    """Reward function applied to each finished response."""
+    """The reward of each finished response: a function, an LLM judge, a reward model, or a weighted sum."""
 
+    kind: RewardKind = "function"  # function (reward.fn), judge, model, or combined (reward.weights)
+    # combined only: component (function, judge, model) -> weight; reward = sum of weight × component reward
+    weights: dict[str, float] = field(default_factory=dict)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # an LLM judge (kind judge, or combined)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)  # a reward model (kind model, or combined)
     fn: str = "math_verify"  # builtin name or dotted path "pkg.mod:function"
     # A call running longer scores 0 (counted); so do calls that raise or return a non-number.
     timeout_s: float = 30.0

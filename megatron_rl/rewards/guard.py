@@ -9,6 +9,7 @@ returns ``float(fn(record, text))`` when that is a finite number obtained within
     not_a_number  fn returned something that is not a real number (a str, None, a list, ...)
     non_finite    fn returned NaN or ±inf
     crashed       the worker process running fn died (``pool.RewardPool`` only; it is replaced)
+    unparsed      an LLM judge's verdict held no score its parser could read (``judge.JudgeReward``)
 
 ``stats()`` returns a ``RewardStats`` snapshot (thread-safe) the loop can log. The first
 failure of each kind is logged once, naming the prompt.
@@ -41,7 +42,7 @@ from megatron_rl.rewards.failures import FailureLog
 
 logger = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("raised", "timeout", "not_a_number", "non_finite", "crashed")
+FAILURE_KINDS = ("raised", "timeout", "not_a_number", "non_finite", "crashed", "unparsed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,7 @@ class RewardStats:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_KINDS, 0))
     first_error: str | None = None  # "<kind> on prompt <id>: <message>" of the first failure
     abandoned: int = 0  # timed-out calls whose thread is still running
+    extra: dict[str, float] = field(default_factory=dict)  # more metrics under the prefix (combine.py's per component)
 
     @property
     def failed(self) -> int:
@@ -61,7 +63,7 @@ class RewardStats:
         """Flat numbers for the metrics log: calls, failures and one count per kind."""
         out = {f"{prefix}calls": float(self.calls), f"{prefix}failures": float(self.failed)}
         out |= {f"{prefix}failures_{kind}": float(n) for kind, n in self.failures.items()}
-        return out
+        return out | {f"{prefix}{name}": value for name, value in self.extra.items()}
 
 
 def number_or_problem(value: object) -> float | str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 from megatron_rl.config.resources import find_dotted
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.rewards.base import RewardFn
 from megatron_rl.rewards.builtin import BUILTIN_REWARDS
 from megatron_rl.rewards.guard import GuardedReward
@@ -54,3 +55,15 @@ def load_guarded_reward(spec: str, *, timeout_s: float | None, workers: int = 0)
 
         return RewardPool(spec, workers=workers, timeout_s=timeout_s)
     return GuardedReward(load_reward_fn(spec), timeout_s=timeout_s, name=spec)
+
+
+def load_reward(settings: RewardConfig) -> GuardedReward:
+    """The guarded reward ``reward.kind`` names: ``function`` (``load_guarded_reward`` of reward.fn) or
+    ``model`` (``model_reward.RewardModelReward``, worker processes of its own)."""
+    if settings.kind == "function":
+        return load_guarded_reward(settings.fn, timeout_s=settings.timeout_s, workers=settings.workers)
+    if settings.kind == "model":
+        from megatron_rl.rewards.model_reward import RewardModelReward  # starts worker processes: loaded on use
+
+        return RewardModelReward(settings.model, timeout_s=settings.timeout_s)
+    raise ValueError(f"reward.kind {settings.kind!r} is not built by load_reward")

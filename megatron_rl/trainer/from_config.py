@@ -15,7 +15,7 @@ from megatron_rl.generation import Generator, GeneratorSetup, build_generator
 from megatron_rl.lora import LoraSettings
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
 from megatron_rl.pipeline.teacher import TeacherSettings, TeacherStage, check_same_tokenizer
-from megatron_rl.rewards import GuardedReward, load_guarded_reward
+from megatron_rl.rewards import GuardedReward, load_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
 from megatron_rl.trainer import build
 from megatron_rl.trainer.build import TrainerSettings
@@ -138,10 +138,11 @@ def generator(cfg: Config, tokenizer, sampling: SamplingSettings) -> Generator:
 
 
 def reward_fn(cfg: Config) -> GuardedReward:
-    """The reward function of ``reward.fn``, guarded: a call that raises, exceeds
-    ``reward.timeout_s`` or returns a non-number scores 0 and is counted (``.stats()``); scored
-    by ``reward.workers`` processes when that is > 0 (``rewards.pool``)."""
-    return load_guarded_reward(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+    """The reward ``reward.kind`` names, guarded: a call that raises, exceeds ``reward.timeout_s`` or
+    returns a non-number scores 0 and is counted (``.stats()``); ``function``: reward.fn, scored
+    by ``reward.workers`` processes when that is > 0 (``rewards.pool``); ``model``: a reward model
+    in worker processes of its own (``rewards.model_reward``)."""
+    return load_reward(cfg.reward)
 
 
 def group_scoring(cfg: Config) -> GroupScoring:
