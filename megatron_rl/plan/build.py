@@ -5,19 +5,21 @@
 plan which copies run (`trimodel/plan.py`), sizes one training device (`memory.py`) and, when
 the largest stage does not fit the device (`devices.py`), searches one knob at a time
 (parallel.tp, parallel.pp, parallel.ep, parallel.distributed_optimizer, pipeline.micro_batch_tokens,
-model.megatron.recompute_granularity) for values that would fit: the refusal names them.
+model.megatron.recompute_granularity, and lora.rank when LoRA is off) for values that would
+fit: the refusal names them. With LoRA on, the plan also sizes the same run without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_rl.attention.backends import auto_backend
 from megatron_rl.config.schema import Config
 from megatron_rl.models.hf_config import decoder_spec_from_hf, parallel_fit, read_hf_config
 from megatron_rl.plan.devices import DeviceSpec, device_spec
 from megatron_rl.plan.layout import ClusterLayout, plan_layout
+from megatron_rl.plan.lora_memory import LoraMemory
 from megatron_rl.plan.memory import (
     MemorySettings,
     MicroBatchShape,
@@ -28,6 +30,7 @@ from megatron_rl.plan.memory import (
 )
 from megatron_rl.trimodel.plan import TriModelPlan
 
+LORA_RANKS = (64, 32, 16, 8)  # lora.rank values the refusal tries, largest first
 BACKEND_KIND = {"npu": "npu", "triton": "cuda"}  # backends bound to one device kind
 
 
@@ -43,6 +46,7 @@ class Plan:
     trimodel: TriModelPlan
     stages: tuple[StageMemory, ...]
     advice: tuple[str, ...]  # knob changes that would make a refused plan fit
+    full_finetune: tuple[StageMemory, ...] = ()  # with lora.rank > 0: the same run without LoRA
 
     @property
     def worst(self) -> StageMemory:
@@ -95,6 +99,20 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
         entropy=cfg.algorithm.entropy_coef > 0,
         logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
         ep=cfg.parallel.ep,
+        lora=lora_memory(cfg, trimodel),
+    )
+
+
+def lora_memory(cfg: Config, trimodel: TriModelPlan) -> LoraMemory | None:
+    """The LoRA terms' inputs (None for lora.rank 0): the old policy, when it runs, is one more
+    adapter snapshot; the reference is the base itself."""
+    if cfg.lora.rank == 0:
+        return None
+    return LoraMemory(
+        rank=cfg.lora.rank,
+        targets=tuple(cfg.lora.target_modules),
+        dropout=cfg.lora.dropout > 0,
+        snapshots=1 + ("old" in trimodel.active),
     )
 
 
@@ -119,6 +137,7 @@ def build_plan(cfg: Config, *, nodes: int, devices_per_node: int, device: str | 
         trimodel=trimodel,
         stages=stages,
         advice=(),
+        full_finetune=tuple(estimate_memory(dims, with_changes(settings, lora=None))) if settings.lora else (),
     )
     if plan.fits:
         return plan
@@ -163,6 +182,21 @@ def _parallel_knobs(dims: ModelDims, s: MemorySettings, world: int) -> list[_Kno
     return knobs
 
 
+def _lora_knobs(cfg: Config, s: MemorySettings) -> list[_Knob]:
+    """LoRA (largest rank first) when it is off: a frozen base without gradients, optimizer
+    state or reference copy, only adapters trained."""
+    from megatron_rl.trainer.from_config import trimodel_plan
+
+    if s.lora is not None:
+        return []
+    trimodel = trimodel_plan(cfg)
+
+    def change(rank: int) -> MemorySettings:
+        return with_changes(s, lora=lora_memory(replace(cfg, lora=replace(cfg.lora, rank=rank)), trimodel))
+
+    return [_Knob("lora.rank", list(LORA_RANKS), change, " (adapters only; the base frozen)")]
+
+
 def _activation_knobs(cfg: Config, s: MemorySettings) -> list[_Knob]:
     """Smaller micro-batches (never below one prompt + response) or full recompute."""
     floor = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
@@ -189,7 +223,7 @@ def _activation_knobs(cfg: Config, s: MemorySettings) -> list[_Knob]:
 def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world: int) -> list[str]:
     """One line per knob that, changed alone, brings the largest stage under `usable` bytes."""
     out: list[str] = []
-    for knob in _parallel_knobs(dims, s, world) + _activation_knobs(cfg, s):
+    for knob in _parallel_knobs(dims, s, world) + _activation_knobs(cfg, s) + _lora_knobs(cfg, s):
         for v in knob.values:
             if (peak := _peak(dims, knob.change(v))) <= usable:
                 out.append(f"{knob.key}={v} fits ({peak / 2**30:.1f} GiB){knob.note}")

@@ -38,6 +38,11 @@ bytes of model.dtype, h hidden, f FFN, nq / nkv heads, d head_dim:
     out projection    T·nq·d/t·b             its input
     SwiGLU MLP        5·T·f/t·b              fc1 output (2f), silu output and gate (2f), fc2 input (f)
 
+With LoRA (``lora.rank`` > 0, `plan/lora_memory.py`) the weights are the frozen base once (the
+reference is the base with the adapters off) plus the adapters of the policy and, when it runs,
+the old policy's snapshot; grads and optimizer count the adapters only; each layer's
+activations add the adapters' low-rank inputs.
+
 Mixture-of-experts layers (`plan/moe_memory.py`): the routed experts' parameters are divided by
 EP × TP (the dense ones by TP, and PP by layers, as above), their gradients are reduced and
 their distributed-optimizer state sharded over the expert-data-parallel group (dp / ep); the
@@ -50,6 +55,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size
+from megatron_rl.plan.lora_memory import LoraMemory, layer_adapter_params
+from megatron_rl.plan.lora_memory import layer_activation_bytes as lora_activation_bytes
 from megatron_rl.plan.moe_memory import (
     MoeDims,
     sparse_layers_of_stage,
@@ -134,6 +141,7 @@ class MemorySettings:
     # None = the head runs on all T positions and the N rows are reduced at once
     logprob_chunk_tokens: int | None = None
     ep: int = 1  # parallel.ep: splits the routed experts (expert TP = tp, megatron's default)
+    lora: LoraMemory | None = None  # lora.rank > 0: frozen base + trained adapters (`lora_memory`)
 
     @property
     def expert_dp(self) -> int:
@@ -159,6 +167,7 @@ class StageMemory:
     logprobs: int
     transient: int
     expert_params: int = 0  # of `params`, the routed experts' (EP-sharded)
+    adapter_params: int = 0  # LoRA adapters of one copy on this rank (not in `params`)
 
     @property
     def total(self) -> int:
@@ -201,6 +210,18 @@ def stage_params(dims: ModelDims, settings: MemorySettings, stage: int) -> tuple
     return n, experts
 
 
+def stage_adapter_params(dims: ModelDims, settings: MemorySettings, stage: int) -> int:
+    """LoRA adapter parameters of one copy on a rank of `stage` (0 without LoRA): its dense
+    layers' and, in MoE layers, the shared expert's (`lora_memory`)."""
+    if settings.lora is None:
+        return 0
+    sparse = sparse_layers_of_stage(dims.moe, dims.layers, settings.pp, stage)
+    dense = stage_layers(dims, settings.pp) - sparse
+    per_dense = layer_adapter_params(dims, settings.lora, settings.tp, dims.ffn)
+    per_sparse = layer_adapter_params(dims, settings.lora, settings.tp, dims.moe.shared_ffn) if sparse else 0
+    return dense * per_dense + sparse * per_sparse
+
+
 def attention_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
     """Saved bytes of one layer's shared-prompt attention core on one TP rank.
 
@@ -241,6 +262,9 @@ def layer_activation_bytes(dims: ModelDims, s: MemorySettings, sparse: bool = Fa
     mlp = 5 * T * dims.ffn // t * b
     if sparse:
         mlp = sparse_mlp_activation_bytes(dims.moe, h, T, t, b)
+    if s.lora is not None:
+        width = dims.moe.shared_ffn if sparse else dims.ffn
+        mlp += lora_activation_bytes(dims, s.lora, t, width, tokens=T, b=b)
     return norms + qk + rope + attention_core_bytes(dims, s) + out_proj + mlp
 
 
@@ -311,19 +335,32 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     else:
         acts += s.copies * T * h * b  # the [T, copies·h] activation sent on, kept for the backward
     lp_saved, lp_transient = logprob_bytes(dims, s) if last else (0, 0)
-    transient = max(lp_transient, layer_transient)
-    optimizer = (params - experts) * optimizer_bytes_per_param(s) + experts * optimizer_bytes_per_param(s, True)
+    weights, trained, optimizer = _state_bytes(dims, s, stage, params, experts)
     return StageMemory(
         stage=stage,
         params=params,
-        weights=params * b * s.copies,
-        grads=params * 4,
-        optimizer=int(optimizer),
+        weights=weights,
+        grads=trained * 4,
+        optimizer=optimizer,
         activations=acts,
         logprobs=lp_saved,
-        transient=transient,
+        transient=max(lp_transient, layer_transient),
         expert_params=experts,
+        adapter_params=stage_adapter_params(dims, s, stage),
     )
+
+
+def _state_bytes(dims: ModelDims, s: MemorySettings, stage: int, params: int, experts: int) -> tuple[int, int, int]:
+    """(weight bytes, trained parameters, optimizer bytes) of one rank: every copy's weights in
+    model.dtype and the policy's state; with LoRA the base once (frozen: no state) and the
+    adapters of each snapshot, only they trained."""
+    b = s.dtype_bytes
+    if s.lora is None:
+        optimizer = (params - experts) * optimizer_bytes_per_param(s) + experts * optimizer_bytes_per_param(s, True)
+        return params * b * s.copies, params, int(optimizer)
+    adapters = stage_adapter_params(dims, s, stage)
+    weights = params * b + adapters * b * s.lora.snapshots
+    return weights, adapters, int(adapters * optimizer_bytes_per_param(s))
 
 
 def estimate_memory(dims: ModelDims, settings: MemorySettings) -> list[StageMemory]:

@@ -50,16 +50,15 @@ def _term_rows(plan: Plan) -> list[tuple[str, int, str]]:
     """(term, bytes, where it comes from) for each memory term of the largest stage."""
     s, w = plan.settings, plan.worst
     mb = s.micro_batch
-    copies = " + ".join(plan.trimodel.active)
-    experts = f" ({w.expert_params / 1e9:.3f} B of routed experts, 1/{s.ep} of them)" if w.expert_params else ""
     sharded = f", sharded over dp {s.dp}" + (f" (experts: expert-dp {s.expert_dp})" if w.expert_params else "")
+    weights, trained = _weights_text(plan)
     return [
-        ("weights", w.weights, f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank{experts}, {s.dtype}"),
-        ("grads", w.grads, "fp32 DDP gradient buffer (policy)"),
+        ("weights", w.weights, weights),
+        ("grads", w.grads, f"fp32 DDP gradient buffer ({trained})"),
         (
             "optimizer",
             w.optimizer,
-            "Adam moments"
+            f"Adam moments ({trained})"
             + (" + fp32 master" if s.dtype_bytes < 4 else "")
             + (sharded if s.distributed_optimizer else ", not sharded"),
         ),
@@ -83,6 +82,22 @@ def _term_rows(plan: Plan) -> list[tuple[str, int, str]]:
     ]
 
 
+def _weights_text(plan: Plan) -> tuple[str, str]:
+    """What the weights term holds, and what is trained (the policy, or LoRA's adapters only)."""
+    s, w = plan.settings, plan.worst
+    experts = f" ({w.expert_params / 1e9:.3f} B of routed experts, 1/{s.ep} of them)" if w.expert_params else ""
+    if s.lora is None:
+        copies = " + ".join(plan.trimodel.active)
+        return f"{copies}: {s.copies} × {w.params / 1e9:.3f} B params/rank{experts}, {s.dtype}", "policy"
+    old = " + old snapshot" if s.lora.snapshots > 1 else ""
+    return (
+        f"frozen base once: {w.params / 1e9:.3f} B params/rank{experts}, {s.dtype} (ref = adapters off); "
+        f"LoRA r {s.lora.rank}: {s.lora.snapshots} × {w.adapter_params / 1e6:.2f} M adapter params/rank "
+        f"(policy{old})",
+        "adapters only",
+    )
+
+
 def _total_lines(plan: Plan) -> list[str]:
     """The largest stage's total against the device's usable memory, then each stage's total under pp."""
     s, w, d = plan.settings, plan.worst, plan.device
@@ -94,6 +109,13 @@ def _total_lines(plan: Plan) -> list[str]:
     ]
     if s.pp > 1:
         lines.append("  per stage: " + ", ".join(f"{st.stage}: {st.total / GIB:.2f} GiB" for st in plan.stages))
+    if plan.full_finetune:
+        full = max(st.total for st in plan.full_finetune)
+        fits = "fits" if full * plan.sharers <= d.usable_bytes else "DOES NOT FIT"
+        lines.append(
+            f"  {'without LoRA':<12}{_gib(full)}   lora.rank=0 (full fine-tune: {' + '.join(plan.trimodel.active)} "
+            f"copies, fp32 grads and Adam state for every parameter): {fits}"
+        )
     return lines
 
 
@@ -111,17 +133,19 @@ def memory_lines(plan: Plan, peak_tflops: float | None = None) -> list[str]:
 
 def _compute_lines(plan: Plan, tflops: float | None) -> list[str]:
     """Matmul FLOPs of one micro-batch (2·params per token per forward, the active ones of a MoE;
-    backward 2× forward)."""
+    backward 2× forward, 1× with LoRA's frozen base: input gradients only; adapters neglected)."""
     if tflops is None:
         return ["  compute: pass --peak-tflops for a lower bound on micro-step time"]
     moe, ep = plan.dims.moe, plan.settings.ep  # a token goes through top_k of the E experts
     active = (lambda st: st.expert_params * ep * moe.top_k / moe.experts) if moe else (lambda st: 0)
     params = sum(st.params - st.expert_params + active(st) for st in plan.stages) * plan.settings.tp  # one copy
     tokens = plan.settings.micro_batch.tokens
-    flops = 2 * params * tokens * (3 + plan.settings.copies - 1)
+    policy = 3 if plan.settings.lora is None else 2  # a frozen base computes no weight gradients
+    flops = 2 * params * tokens * (policy + plan.settings.copies - 1)
     seconds = flops / (tflops * 1e12 * plan.settings.tp * plan.settings.pp)
     return [
-        f"  compute: {flops / 1e12:.1f} TFLOP per micro-batch (policy fwd+bwd, frozen fwd) -> >= "
+        f"  compute: {flops / 1e12:.1f} TFLOP per micro-batch (policy fwd+bwd{' without base wgrad' * (policy == 2)}, "
+        f"frozen fwd) -> >= "
         f"{seconds * 1e3:.0f} ms per micro-batch on tp × pp devices at {tflops:g} TFLOPS each"
     ]
 
