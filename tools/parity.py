@@ -2,13 +2,23 @@
 
     python tools/parity.py --model <hf dir> --tp 2 --pp 1
     python tools/parity.py --model <hf MoE dir> --tp 2 --ep 2   # Qwen3-MoE, Qwen2-MoE, Mixtral
+    python tools/parity.py --model <hf dir> --tp 2 --lora-rank 8  # LoRA vs peft on the HF model
 
 Starts the ``tp * pp * ep`` ranks it needs itself (torchrun; EP splits the routed experts
 over ``ep`` data-parallel ranks), builds the sharded megatron model from the checkpoint, runs
 the same token batch through it and through HF transformers (fp32), and prints one JSON line:
 ``{"max_abs_logit_diff": ..., "max_abs_logprob_diff": ..., "tp": ..., "pp": ..., "ep": ...}``
 (the largest difference over every rank).
-Exit status 1 when a difference exceeds ``--tolerance``.
+
+With ``--lora-rank R`` (dense models) both sides carry the same LoRA adapters on every linear
+(rank R, alpha ``--lora-alpha``): ``peft`` on the HF model, ``megatron_rl.lora.apply_lora`` on
+ours, with A and B set to the same seeded random tensors (B != 0, so the adapters change the
+logits) loaded into ours by PEFT's names. The logits are then those of the adapted models, and
+the line adds ``lora_rank``, ``max_rel_logit_err`` and ``max_rel_adapter_grad_err`` (the
+gradients of the mean next-token log-prob with respect to every adapter tensor, max |ours -
+peft| / max |peft| per tensor).
+Exit status 1 when a difference exceeds ``--tolerance`` (or, with LoRA, a relative error
+``--rel-tolerance``).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import json
 import os
 import subprocess
 import sys
+
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # all megatron targets
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,7 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-3, help="max abs logit diff allowed (fp32)")
-    return p.parse_args(argv)
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on every linear, vs peft (0: no LoRA)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (scale = alpha / rank)")
+    p.add_argument("--rel-tolerance", type=float, default=1e-4, help="max relative LoRA logit / grad error")
+    args = p.parse_args(argv)
+    if args.lora_rank < 0 or (args.lora_rank and args.ep > 1):
+        p.error(f"--lora-rank {args.lora_rank}: a rank >= 0, on a dense model (--ep 1); LoRA skips routed experts")
+    return args
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -43,7 +61,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    """One rank: megatron logits vs HF logits on rank 0."""
+    """One rank: megatron logits vs HF logits on rank 0 (and LoRA's errors vs peft)."""
     import torch
     import torch.distributed as dist
 
@@ -57,29 +75,92 @@ def worker(args: argparse.Namespace) -> int:
     ids = torch.randint(
         0, spec.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed)
     )
+    hf = _hf_model(args)
+    lora = _LoraCheck(args, model, spec, hf, ids) if args.lora_rank else None
     logits = forward_logits(model, ids, vocab_size=spec.vocab_size)
     logprobs = forward_logprobs(model, ids, vocab_size=spec.vocab_size, temperature=args.temperature)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(ids).logits.float()
     ref_lp = torch.log_softmax(ref[:, :-1] / args.temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
-    diffs = torch.tensor([(logits - ref).abs().max().item(), (logprobs - ref_lp).abs().max().item()])
+    errors = [(logits - ref).abs().max().item(), (logprobs - ref_lp).abs().max().item()]
+    if lora is not None:
+        errors += [_relative(logits, ref), lora.grad_error()]
+    diffs = torch.tensor(errors)
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=host_world_group())
     status = 0
     if dist.get_rank() == 0:
-        result = {
-            "max_abs_logit_diff": diffs[0].item(),
-            "max_abs_logprob_diff": diffs[1].item(),
-            "tp": args.tp,
-            "pp": args.pp,
-            "ep": args.ep,
-        }
+        result = {"max_abs_logit_diff": diffs[0].item(), "max_abs_logprob_diff": diffs[1].item()}
+        result |= {"tp": args.tp, "pp": args.pp, "ep": args.ep}
+        if lora is not None:
+            result |= {"lora_rank": args.lora_rank, "max_rel_logit_err": diffs[2].item()}
+            result["max_rel_adapter_grad_err"] = diffs[3].item()
         print(json.dumps(result), flush=True)
         status = int(result["max_abs_logit_diff"] > args.tolerance)
+        status |= int(lora is not None and max(diffs[2:]).item() > args.rel_tolerance)
     dist.barrier()
     return status
+
+
+def _hf_model(args: argparse.Namespace):
+    """The HF model in fp32; with --lora-rank, wrapped by peft with seeded random adapters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="eager")
+    if not args.lora_rank:
+        return hf
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=PEFT_TARGETS, lora_dropout=0.0)
+    peft_model = get_peft_model(hf, config)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    return peft_model
+
+
+def _relative(ours, ref) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+class _LoraCheck:
+    """Our LoRA model with peft's adapters loaded; the adapter gradients of both."""
+
+    def __init__(self, args: argparse.Namespace, model, spec, peft_model, ids):
+        from peft import get_peft_model_state_dict
+
+        from megatron_rl.lora import LoraSettings, apply_lora, load_peft_tensors
+
+        apply_lora(model, LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha), spec)
+        load_peft_tensors(model, get_peft_model_state_dict(peft_model))
+        self.model, self.spec, self.peft, self.ids = model, spec, peft_model, ids
+
+    def grad_error(self) -> float:
+        """Max relative error of this PP stage's adapter gradients (gathered over TP) vs peft's."""
+        import torch
+
+        from megatron_rl.lora import iter_peft_tensors
+        from megatron_rl.parallel.gather import gather_tp
+        from megatron_rl.parallel.schedule import run_schedule
+        from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs
+
+        ids, vocab = self.ids, self.spec.vocab_size
+        logits = self.peft(ids).logits.float()
+        (-torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).mean()).backward()
+        ref = {n.replace(".default", ""): p.grad for n, p in self.peft.named_parameters() if "lora_" in n}
+
+        def loss(output, batch):
+            return -vocab_parallel_logprobs(output[:, :-1], batch[:, 1:], vocab_size=vocab).mean(), None
+
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        forward = lambda m, batch: m(batch, positions, attention_mask=None)  # noqa: E731
+        run_schedule(
+            self.model, [ids], forward_step=forward, loss=loss, seq_length=lambda b: b.shape[1], forward_only=False
+        )
+        ours = dict(iter_peft_tensors(self.model, gather_tp, grad=True))
+        return max(_relative(grad, ref[key]) for key, grad in ours.items())
 
 
 def main(argv: list[str] | None = None) -> int:
