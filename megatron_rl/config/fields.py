@@ -35,6 +35,7 @@ POSITIVE = (
     "rollout.engine_port",
     "trainer.logprob_chunk_tokens", "algorithm.rollout_correction.c_min", "algorithm.rollout_correction.c_max",
     "environment.max_turns", "environment.max_total_tokens", "environment.step_timeout_s",
+    "reward.judge.max_new_tokens", "reward.judge.batch", "reward.model.batch",
 )
 NON_NEGATIVE = (
     "pipeline.max_staleness", "trainer.save_every", "trainer.weight_decay", "trainer.grad_clip",
@@ -45,6 +46,7 @@ NON_NEGATIVE = (
     "algorithm.mismatch_alarm.logprob_abs_diff_max", "algorithm.mismatch_alarm.kl_k3",
     "algorithm.mismatch_alarm.seq_ratio_max", "algorithm.mismatch_alarm.masked_fraction",
     "environment.max_failures", "model.moe.aux_loss_coeff", "model.moe.z_loss_coeff",
+    "reward.judge.temperature",
     "lora.rank", "lora.seed",
 )
 # fmt: on

@@ -270,10 +270,14 @@ def data_source_rule(src: str, options: Mapping[str, Any]) -> Found:
 
 
 def _reward(r: Any) -> Found:
-    """Form of reward.fn (whether it imports: `resources.py`)."""
+    """Form of reward.fn (whether it imports: `resources.py`); reward.kind / weights and the judge and
+    reward model they use (`reward_rules.py`)."""
     fn = r.fn
     if not fn or (":" in fn and not DOTTED_PATH.match(fn)) or (":" not in fn and not fn.isidentifier()):
         yield "reward.fn", f"{fn!r} is neither a builtin reward name nor a dotted path 'pkg.mod:function'"
+    from .reward_rules import model_reward_rule  # it imports this module's DOTTED_PATH
+
+    yield from model_reward_rule(r)
 
 
 def _environment(e: Any) -> Found:

@@ -13,12 +13,19 @@ scores 0, is counted, and never stops training.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from megatron_rl.config.resources import find_dotted
 from megatron_rl.config.schema import RewardConfig
+from megatron_rl.config.schema_reward_model import REWARD_COMPONENTS
 from megatron_rl.rewards.base import RewardFn
 from megatron_rl.rewards.builtin import BUILTIN_REWARDS
+from megatron_rl.rewards.combine import CombinedReward
 from megatron_rl.rewards.guard import GuardedReward
+
+if TYPE_CHECKING:
+    from megatron_rl.rewards.judge import TextBackend
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -57,13 +64,32 @@ def load_guarded_reward(spec: str, *, timeout_s: float | None, workers: int = 0)
     return GuardedReward(load_reward_fn(spec), timeout_s=timeout_s, name=spec)
 
 
-def load_reward(settings: RewardConfig) -> GuardedReward:
-    """The guarded reward ``reward.kind`` names: ``function`` (``load_guarded_reward`` of reward.fn) or
-    ``model`` (``model_reward.RewardModelReward``, worker processes of its own)."""
-    if settings.kind == "function":
+def load_reward(settings: RewardConfig, *, judge_backend: Callable[[], TextBackend] | None = None) -> GuardedReward:
+    """The guarded reward ``reward.kind`` names: ``function`` (``load_guarded_reward`` of reward.fn),
+    ``model`` (``model_reward.RewardModelReward``, worker processes of its own), ``judge``
+    (``judge.JudgeReward`` on the engines ``judge_backend()`` starts: the composition root's), or
+    ``combined`` (``combine.CombinedReward`` of the components reward.weights names)."""
+    if settings.kind != "combined":
+        return _component(settings, settings.kind, judge_backend)
+    if not settings.weights:
+        raise ValueError("reward.weights: reward.kind 'combined' needs the weight of each component")
+    parts = {name: _component(settings, name, judge_backend) for name in settings.weights}
+    return CombinedReward(parts, settings.weights)
+
+
+def _component(settings: RewardConfig, name: str, judge_backend: Callable[[], TextBackend] | None) -> GuardedReward:
+    """One reward source of ``settings`` by its reward.weights name."""
+    if name == "function":
         return load_guarded_reward(settings.fn, timeout_s=settings.timeout_s, workers=settings.workers)
-    if settings.kind == "model":
+    if name == "model":
         from megatron_rl.rewards.model_reward import RewardModelReward  # starts worker processes: loaded on use
 
         return RewardModelReward(settings.model, timeout_s=settings.timeout_s)
-    raise ValueError(f"reward.kind {settings.kind!r} is not built by load_reward")
+    if name == "judge":
+        if judge_backend is None:
+            raise ValueError("reward.judge: a judge needs its engines (load_reward's judge_backend)")
+        from megatron_rl.rewards.judge import JudgeReward, check_judge
+
+        check_judge(settings.judge)  # refused before any engine starts
+        return JudgeReward(judge_backend(), settings.judge, timeout_s=settings.timeout_s)
+    raise ValueError(f"reward.weights: unknown component {name!r}; use {', '.join(REWARD_COMPONENTS)}")

@@ -17,6 +17,7 @@ from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
 from megatron_rl.pipeline.teacher import TeacherSettings, TeacherStage, check_same_tokenizer
 from megatron_rl.rewards import GuardedReward, load_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
+from megatron_rl.rollout.text import judge_text
 from megatron_rl.trainer import build
 from megatron_rl.trainer.build import TrainerSettings
 from megatron_rl.trimodel import TriModelPlan
@@ -141,8 +142,9 @@ def reward_fn(cfg: Config) -> GuardedReward:
     """The reward ``reward.kind`` names, guarded: a call that raises, exceeds ``reward.timeout_s`` or
     returns a non-number scores 0 and is counted (``.stats()``); ``function``: reward.fn, scored
     by ``reward.workers`` processes when that is > 0 (``rewards.pool``); ``model``: a reward model
-    in worker processes of its own (``rewards.model_reward``)."""
-    return load_reward(cfg.reward)
+    in worker processes of its own (``rewards.model_reward``); ``judge``: an LLM judge on engines of
+    its own (``rewards.judge``, ``rollout.text``); ``combined``: the weighted sum (``rewards.combine``)."""
+    return load_reward(cfg.reward, judge_backend=lambda: judge_text(cfg.reward.judge, cfg.rollout))
 
 
 def group_scoring(cfg: Config) -> GroupScoring:
