@@ -32,8 +32,9 @@ RECIPES = {
     "qwen2.5-7b-grpo-sagc": ("h100", 2, 8),
     "qwen3-8b-stale-a3po": ("910b", 2, 8),
     "qwen2.5-7b-tool-python-910b": ("910b", 2, 8),  # multi-turn, sandboxed Python tool
+    "qwen2.5-32b-lora-910b": ("910b", 1, 8),  # LoRA: the full fine-tune does not fit (test below)
 }
-PUBLISHED = {  # sizes from the model cards (Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B)
+PUBLISHED = {  # sizes from the model cards (Qwen/Qwen2.5-7B-Instruct, -32B-Instruct, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B)
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe",
         hidden_size=2048,
@@ -53,6 +54,15 @@ PUBLISHED = {  # sizes from the model cards (Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen
         num_hidden_layers=28,
         num_attention_heads=28,
         num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    "qwen2.5-32b-instruct": dict(
+        model_type="qwen2",
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
         vocab_size=152064,
     ),
     "qwen3-8b": dict(
@@ -138,6 +148,20 @@ def test_same_recipe_at_tp1_on_910b_is_refused_naming_the_knob(name, capsys):
     assert code == 1, out
     assert "DOES NOT FIT" in out and "refused" in out
     assert re.search(r"parallel\.tp=\d+ fits", out), out
+
+
+def test_lora_recipe_fits_only_with_lora(capsys):
+    """qwen2.5-32b-lora-910b: plan fits with LoRA and shows the full fine-tune's total refused
+    beside it; at lora.rank=0 plan refuses it (exit 1) and names lora.rank as the knob that fits."""
+    name = "qwen2.5-32b-lora-910b"
+    assert main(["plan", _config(name), *_plan_args(name)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"total .* GiB .*: fits", out) and "LoRA r 64" in out
+    assert re.search(r"without LoRA .* GiB .*DOES NOT FIT", out), out
+    assert main(["plan", _config(name), "lora.rank=0", *_plan_args(name)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"total .* GiB .*: DOES NOT FIT", out) and "refused" in out
+    assert re.search(r"lora\.rank=\d+ fits", out), out
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
