@@ -365,6 +365,9 @@ class TrainerConfig:
     logprob_chunk_tokens: int = 4096
 
 
+from .schema_distill import DistillConfig  # noqa: E402 (reuses the enums above)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run: one YAML file, one `Config`."""
@@ -379,5 +382,6 @@ class Config:
     data: DataConfig  # prompt dataset
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward function
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn environment
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
     lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: full fine-tuning)
     trainer: TrainerConfig  # loop, optimizer, checkpoints

@@ -23,6 +23,7 @@ from typing import Any, get_args
 
 from .convert import field_types
 from .devices import parse_device
+from .distill_rules import distill_section
 from .errors import suggest
 from .fields import Found, check_value, raise_found, schema_type
 from .model_shape import check_megatron_passthrough
@@ -339,6 +340,7 @@ SECTION_RULES: dict[str, Callable[[Any], Found]] = {
     "data": _data,
     "reward": _reward,
     "environment": _environment,
+    "distill": distill_section,
     "lora": _lora,
     "trainer": _trainer,
 }

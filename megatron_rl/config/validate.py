@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .devices import parse_device
+from .distill_rules import check_distill
 from .errors import ConfigError, Origins, Problem
 from .fields import Found
 from .model_shape import check_model_parallel, model_shape, read_hf_json
@@ -236,5 +237,6 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_multiturn_routing_replay,
     check_generator_environment,
     check_temperature,
+    check_distill,
     check_weight_files,
 )

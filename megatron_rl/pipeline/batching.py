@@ -230,6 +230,7 @@ def padding_micro_batch(template: ScoredGroup, *, policy_version: int, mini_batc
         prompt_ids=s.prompt_ids[:1],
         response_ids=s.response_ids[:1],
         behav_logprobs=s.behav_logprobs[:1],
+        teacher_logprobs=None if s.teacher_logprobs is None else s.teacher_logprobs[:1],
         loss_mask=(0,),
         routed_experts=routes,
     )

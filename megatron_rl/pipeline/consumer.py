@@ -163,6 +163,7 @@ class Pipeline:
         to every step's summary (data skipped, reward failures); ``replicas``: data-parallel
         replicas the micro-batches are routed to (``pipeline.dispatch``)."""
         self.settings, self._engine = settings, inputs.engine
+        self._teacher = inputs.teacher if isinstance(inputs, RolloutInputs) else None  # a replay has none
         self._queue: queue.Queue[QueueItem] = queue.Queue(maxsize=settings.queue_size)
         base = inputs.engine.weight_version
         self.versions = PolicyVersions(base)
@@ -273,6 +274,8 @@ class Pipeline:
             self._closed = True
             self._producer.stop()
             self._engine.shutdown()  # also releases a producer stuck inside engine.generate
+            if self._teacher is not None:  # on-policy distillation: the teacher's pool and engines
+                self._teacher.shutdown()
             self._producer.join(self.settings.join_timeout_s)
             if self._recorder is not None:
                 self._recorder.close()

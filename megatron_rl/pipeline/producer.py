@@ -51,6 +51,7 @@ from megatron_rl.pipeline.records import (
     sample_from,
 )
 from megatron_rl.pipeline.scoring import GroupScoring, failed_group, score_group
+from megatron_rl.pipeline.teacher import TeacherStage
 from megatron_rl.pipeline.versions import PolicyVersions, VersionSchedule
 from megatron_rl.rollout.types import RolloutEngine
 
@@ -74,6 +75,7 @@ class RolloutInputs:
     reward_fn: RewardCallable  # the task reward, for trajectories without an environment reward
     controller: GroupSizeController  # chooses G per batch; the producer thread owns it
     scoring: GroupScoring
+    teacher: TeacherStage | None = None  # on-policy distillation: scores each completed group (pipeline.teacher)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +194,7 @@ class Producer:
         if self._stop.is_set():
             raise _Stopped
         self._harvest(batch, wait=True)
+        self._drain_teacher()
         if batch.where:
             raise RuntimeError(
                 f"no trajectory came back for {len(batch.where)} requests, e.g. {next(iter(batch.where))!r}"
@@ -245,6 +248,7 @@ class Producer:
                 reward_s=self._reward_s,
                 control_metrics=dict(controller.metrics()),
                 controller_state=controller.state_dict(),
+                distill_metrics={} if self._inputs.teacher is None else self._inputs.teacher.batch_metrics(),
             )
         )
 
@@ -264,6 +268,9 @@ class Producer:
         p, k = batch.where.pop(trajectory.request_id)
         batch.scoring.append((p, k, trajectory, self._reward(batch.items[p].record, trajectory)))
         self._harvest(batch, wait=False)
+        if self._inputs.teacher is not None:
+            for group in self._inputs.teacher.ready():
+                self._put(group)
 
     def _reward(self, record: Any, trajectory: Trajectory) -> Future:
         """The environment's reward when the trajectory has one, else the task reward of its last
@@ -304,6 +311,19 @@ class Producer:
         if all(s is not None for s in batch.slots[p]):
             group = self._score(batch.step, p, batch.slots[p])
             batch.dropped += not group.kept
+            if self._inputs.teacher is None:
+                self._put(group)
+            else:  # on-policy distillation: put once the teacher has scored it (_accept, _drain_teacher)
+                self._inputs.teacher.submit(group)
+
+    def _drain_teacher(self) -> None:
+        """Put every group still with the teacher (its added time per step: ``distill/teacher_wait_s``)."""
+        if self._inputs.teacher is None:
+            return
+        groups = self._inputs.teacher.drain(self._stop, self._poll_s)
+        if groups is None:
+            raise _Stopped
+        for group in groups:
             self._put(group)
 
     def _score(self, step: int, p: int, samples: Sequence[Sample]) -> ScoredGroup:

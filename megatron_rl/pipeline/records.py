@@ -72,6 +72,8 @@ class Sample:
     turn_prompt_tokens: int = 0  # sum over its model turns of each turn's prompt length
     cached_tokens: int | None = None  # of those, the engine's prefix cache served (None: not reported)
     routed_experts: RoutedExperts | None = None  # MoE: experts of the Lp + Lr - 1 forwarded tokens (routing replay)
+    # On-policy distillation (pipeline.teacher): [Lr] log pi_teacher of each response token; None: not scored
+    teacher_logprobs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.response_ids:
@@ -89,6 +91,11 @@ class Sample:
         if len(self.behav_logprobs) != len(self.response_ids):
             raise ValueError(
                 f"request {self.request_id!r}: {len(self.behav_logprobs)} log-probs for "
+                f"{len(self.response_ids)} response tokens"
+            )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"request {self.request_id!r}: {len(self.teacher_logprobs)} teacher log-probs for "
                 f"{len(self.response_ids)} response tokens"
             )
 
@@ -166,6 +173,7 @@ class BatchEnd:
     # controller: an observation is credited to the G that produced it, in every mode).
     control_metrics: Mapping[str, float] = field(default_factory=dict)
     controller_state: Mapping[str, Any] = field(default_factory=dict)  # resume from here
+    distill_metrics: Mapping[str, float] = field(default_factory=dict)  # the teacher's timings (pipeline.teacher)
 
 
 QueueItem = BatchStart | ScoredGroup | BatchEnd
@@ -191,6 +199,7 @@ class MicroBatch:
     # [N] bool, True = model token; None: every response token is (single-turn). Observation
     # tokens of multi-turn trajectories are False: no policy term, KL, entropy or mismatch there.
     loss_mask: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # [N] float32 log pi_teacher (distillation); None: no teacher
 
     @property
     def token_advantages(self) -> torch.Tensor:
@@ -221,6 +230,9 @@ class MicroBatch:
             behav_logprobs=self.behav_logprobs.to(device, non_blocking=True),
             versions=self.versions.to(device, non_blocking=True),
             loss_mask=None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True),
+            teacher_logprobs=None
+            if self.teacher_logprobs is None
+            else self.teacher_logprobs.to(device, non_blocking=True),
         )
 
 
@@ -282,7 +294,19 @@ def make_micro_batch(
         versions=torch.tensor([s.weight_version for s in samples], dtype=torch.int64),
         replica=replica,
         loss_mask=_loss_mask(samples),
+        teacher_logprobs=_teacher_logprobs(samples),
     )
+
+
+def _teacher_logprobs(samples: Sequence[Sample]) -> torch.Tensor | None:
+    """``[N]`` float32 teacher log-probs of the samples' response tokens, or None if no sample has
+    them; ``ValueError`` when only some have (a group the teacher stage did not score)."""
+    have = [s.teacher_logprobs is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"request {samples[have.index(False)].request_id!r} has no teacher log-probs, others have")
+    return torch.tensor([lp for s in samples for lp in s.teacher_logprobs], dtype=torch.float32)
 
 
 def _loss_mask(samples: Sequence[Sample]) -> torch.Tensor | None:

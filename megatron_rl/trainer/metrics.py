@@ -83,6 +83,7 @@ def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]
         "train/overlapped_micro_batches": float(s.overlapped_micro_batches),
         "train/version": float(s.new_version),
         **end.control_metrics,  # already named control/...
+        **end.distill_metrics,  # the teacher's timings, already named distill/... (on-policy distillation)
         **s.extra_metrics,  # data/..., reward/... counters
     }
 

@@ -94,6 +94,7 @@ class PolicyTrainer:
         ref = pad_responses(lp.ref, packed) if lp.ref is not None else None
         entropy = pad_responses(lp.entropy, packed) if lp.entropy is not None else None
         behav = pad_responses(mb.behav_logprobs.to(logp.dtype), packed)
+        teacher = None if mb.teacher_logprobs is None else pad_responses(mb.teacher_logprobs.to(logp.dtype), packed)
         out = policy_loss(
             self.loss,
             logp=logp,
@@ -108,6 +109,7 @@ class PolicyTrainer:
             versions=mb.versions[:, None].expand_as(mask),
             current_version=mb.policy_version,
             entropy=entropy,
+            teacher_logp=teacher,  # on-policy distillation (algorithms.distill)
         )
         self._numerator += out.loss.detach().float()
         self._denominator += share

@@ -212,6 +212,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
         controller=build_controller(cfg, resume),
         generator=from_config.generator(cfg, tokenizer, from_config.sampling_settings(cfg, tokenizer)),
         scoring=from_config.group_scoring(cfg),
+        teacher=from_config.teacher_stage(cfg, tokenizer),  # on-policy distillation (distill.teacher)
     )
     return Pipeline(
         inputs,
