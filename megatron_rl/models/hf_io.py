@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,10 @@ def export_hf_tensors(model: torch.nn.Module, spec: DecoderSpec):
     )
 
 
+# megatron_rl.lora's adapter parameters: ``<linear>.lora.parts.<projection>.lora_A / lora_B``
+_LORA = ".lora.parts."
+
+
 @dataclass(frozen=True)
 class ExportItem:
     """One megatron parameter of this PP stage as the HF tensors it exports to."""
@@ -136,13 +141,16 @@ class ExportItem:
 
 
 def export_items(model: torch.nn.Module, spec: DecoderSpec) -> list[ExportItem]:
-    """This stage's parameters in export order, the tied output layer left out (HF stores it
-    once, as the embedding). Shapes come from the conversion run on meta tensors: no data."""
+    """This stage's parameters in export order, the tied output layer and LoRA adapters left out
+    (HF stores the former once, as the embedding; PEFT's files hold the latter). Shapes come from
+    the conversion run on meta tensors: no data."""
     from megatron.core import parallel_state
 
     tp, offset, out = parallel_state.get_tensor_model_parallel_world_size(), layer_offset(model), []
     ep = expert_parallel_size()
     for name, param in model.named_parameters():
+        if _LORA in name:
+            continue
         rule, layer = match_rule(name, offset, ep)
         if rule.mcore == "output_layer.weight" and spec.tie_word_embeddings:
             continue
@@ -151,6 +159,16 @@ def export_items(model: torch.nn.Module, spec: DecoderSpec) -> list[ExportItem]:
         shapes = tuple(tuple(t.shape) for t in shards_to_hf(rule, meta, spec))
         out.append(ExportItem(param=param, rule=rule, names=hf_names(rule, layer, spec), shapes=shapes))
     return out
+
+
+@dataclass(frozen=True)
+class ExportSelection:
+    """Which export items a HF checkpoint holds (``keep``) and the shard each is written from
+    (``shard``: this rank's tensor of the item's parameter shape), e.g. a LoRA policy's merged
+    adapted weights alone; without one, every item from its parameter."""
+
+    keep: Callable[[ExportItem], bool]
+    shard: Callable[[ExportItem], torch.Tensor]
 
 
 def gather_hf(item: ExportItem, shard: torch.Tensor, spec: DecoderSpec) -> tuple[torch.Tensor, ...] | None:
@@ -177,13 +195,15 @@ def save_hf_checkpoint(
     *,
     source_dir: str | Path | None = None,
     dtype: torch.dtype | None = None,
+    select: ExportSelection | None = None,
 ) -> None:
     """Write the model as a sharded HF safetensors checkpoint (one file per PP stage), atomically.
 
     Collective over the whole world. Streamed: each tensor is gathered over TP to the stage's
     writer (DP rank 0 / TP rank 0), written and freed, so no rank holds more than about one
     full tensor (DP ranks > 0 hold nothing: the weights are the same on every replica).
-    ``source_dir`` supplies config and tokenizer files; ``dtype`` casts on write (default: as is).
+    ``source_dir`` supplies config and tokenizer files; ``dtype`` casts on write (default: as is);
+    ``select`` writes some tensors only, or others than the parameters (``ExportSelection``).
     """
     from megatron.core import parallel_state
 
@@ -203,7 +223,7 @@ def save_hf_checkpoint(
     host_barrier()
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     names = (
-        _write_stage(model, spec, tmp / file if writer else None, dtype)
+        _write_stage(model, spec, tmp / file if writer else None, dtype, select)
         if (parallel_state.get_expert_data_parallel_rank() == 0)
         else []
     )
@@ -227,12 +247,18 @@ def _publish(tmp: Path, out_dir: Path, entries: list, source_dir: str | Path | N
     os.replace(tmp, out_dir)
 
 
-def _write_stage(model: torch.nn.Module, spec: DecoderSpec, path: Path | None, dtype: torch.dtype | None) -> list[str]:
-    """Stream this stage's weights into ``path`` (None: this TP rank only sends its shards);
-    returns the HF names written."""
+def _write_stage(
+    model: torch.nn.Module,
+    spec: DecoderSpec,
+    path: Path | None,
+    dtype: torch.dtype | None,
+    select: ExportSelection | None,
+) -> list[str]:
+    """Stream this stage's weights (``select``'s) into ``path`` (None: this TP rank only sends its
+    shards); returns the HF names written."""
     from megatron.core import parallel_state
 
-    items = export_items(model, spec)
+    items = [it for it in export_items(model, spec) if select is None or select.keep(it)]
     entries = [
         TensorEntry(n, dtype or it.param.dtype, s) for it in items for n, s in zip(it.names, it.shapes, strict=True)
     ]
@@ -241,7 +267,8 @@ def _write_stage(model: torch.nn.Module, spec: DecoderSpec, path: Path | None, d
         for item in items:
             if not first_dp and item.rule.kind not in EXPERT_KINDS:
                 continue  # another replica's copy of a dense tensor: DP rank 0 writes it
-            full = gather_hf(item, item.param.detach(), spec)  # None on ranks other than the writer
+            shard = item.param.detach() if select is None else select.shard(item)
+            full = gather_hf(item, shard, spec)  # None on ranks other than the writer
             if full is not None:
                 for name, tensor in zip(item.names, full, strict=True):
                     out.write(name, tensor if dtype is None else tensor.to(dtype))

@@ -129,10 +129,11 @@ class WorkerPool:
             return in_request_order(score_results(self._sup, requests), requests)
 
     def load_weights(self, update: WeightUpdate, version: int) -> None:
-        """Load ``update`` (a ``weight_sync`` transport's message) into every worker as ``version``."""
+        """Load ``update`` (a ``weight_sync`` transport's message) into every worker as ``version``
+        (a later one; a partial update may also complete the current one)."""
         if not isinstance(update, WeightUpdate):
             raise TypeError(f"load_weights: expected a weight_sync.WeightUpdate, got {type(update).__name__}")
-        self._check_version(version)
+        self._check_version(version, update.partial)
         with self._lock:
             self._prepare("load_weights")
             self._sync.load(update, version)
@@ -158,8 +159,8 @@ class WorkerPool:
         self._check_idle(what)
         self._sup.revive()
 
-    def _check_version(self, version: int) -> None:
-        if version <= self._sup.version:
+    def _check_version(self, version: int, partial: bool) -> None:
+        if version < self._sup.version or (version == self._sup.version and not partial):
             raise ValueError(f"version={version} must exceed the current weight_version {self._sup.version}")
 
     def _check_idle(self, what: str) -> None:

@@ -103,10 +103,11 @@ class Replica:
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
         self.channel, self.dispatch = channel, dispatch
+        self.weights = PolicyWeights(policy, spec, source_dir)
         self.sender = build_sender(
             sync.weight_sync,
             SenderSetup(
-                source=PolicyWeights(policy, spec, source_dir),
+                source=self.weights,
                 engine=engine,
                 channel=channel,
                 place=stage_place(),
@@ -147,6 +148,15 @@ class Replica:
         for key, value in (("weight_sync_transfer", transfer), ("weight_sync_bytes", float(stats.nbytes))):
             self.seconds[key] = self.seconds.get(key, 0.0) + value
         return version
+
+    def prime_engines(self, version: int) -> None:
+        """Before the engines first generate (every rank of the world, as ``sync_weights``): with a
+        LoRA policy, hand them its merged adapted layers as their current ``version``. They start
+        from the base checkpoint, so at a resumed step (or with adapters loaded at start) they
+        would otherwise generate with the base weights. A no-op for a full fine-tune, whose
+        engines start from the policy's own weights."""
+        if self.weights.partial:
+            self.sender.sync(version)
 
     def probe_engine(self, probe: ProbeInput) -> None:
         """Compare the engines' scores of the probe with the policy's (``trainer.engine_probe``;

@@ -25,6 +25,7 @@ from megatron_rl.weight_sync.base import (
     StagePlace,
     SyncStats,
     TensorSource,
+    UpdateTensors,
     WeightReceiver,
     WeightSender,
     WeightSource,
@@ -32,6 +33,7 @@ from megatron_rl.weight_sync.base import (
     WorkerLoad,
     build_receiver,
     build_sender,
+    is_partial,
 )
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "StagePlace",
     "SyncStats",
     "TensorSource",
+    "UpdateTensors",
     "WeightReceiver",
     "WeightSender",
     "WeightSource",
@@ -47,4 +50,5 @@ __all__ = [
     "WorkerLoad",
     "build_receiver",
     "build_sender",
+    "is_partial",
 ]

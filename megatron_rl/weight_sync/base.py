@@ -12,7 +12,11 @@ receiver in each engine worker, and the registry that builds them from a transpo
   ``update.after_restart(fanout, worker)`` when one is restarted between syncs.
 - ``WorkerLoad``: the picklable message a worker gets; ``build_receiver(load.transport)``
   makes the worker's ``WeightReceiver`` for it (kept for the worker's life), which feeds
-  ``(name, tensor)`` pairs to the backend's ``load_tensors`` (``TensorLoader``).
+  ``(name, tensor)`` pairs to the backend's ``load_tensors`` (``TensorLoader``) as ``UpdateTensors``.
+- Partial updates: a source whose ``partial`` is set (a LoRA policy: only the adapted layers'
+  merged weights change) exports and saves those tensors alone; its messages say so, and the
+  backend copies them and keeps every other weight as it was (the engines start from the base
+  checkpoint, which holds them). A full update must cover every weight (the backend checks).
 
 A transport is a module of this package named as in the schema's ``WeightSync`` Literal,
 holding ``Sender`` and ``Receiver`` classes: the registry imports it by that name.
@@ -71,6 +75,12 @@ class Channel(Protocol):
 class WeightSource(Protocol):
     """The policy as a sender reads it (``trainer.policy_weights``, or fixed tensors)."""
 
+    @property
+    def partial(self) -> bool:
+        """``export`` / ``save`` hold only the weights that differ from the engines' starting
+        checkpoint (the engines keep the others); False: every weight."""
+        ...
+
     def export(self) -> list[tuple[str, torch.Tensor]]:
         """This stage's HF-named full tensors on the rank that sends them (``StagePlace.sends``;
         a rank-less source: everywhere), [] elsewhere (collective over the stage's TP group)."""
@@ -114,9 +124,12 @@ class WorkerLoad:
 
 
 class WeightUpdate:
-    """What the engine's ``load_weights`` takes. Defaults: every worker loads ``payload``."""
+    """What the engine's ``load_weights`` takes. Defaults: every worker loads ``payload``.
+    ``partial``: some of the model's weights, the engine keeps the others; such an update may
+    also complete the engine's current version (``trainer.replica.Replica.prime_engines``)."""
 
     transport: ClassVar[str]
+    partial = False
 
     def payload(self) -> WorkerLoad:
         raise NotImplementedError
@@ -133,6 +146,28 @@ class WeightUpdate:
         """A worker restarted between syncs (it loaded ``at_start``)."""
 
 
+class UpdateTensors:
+    """One update's ``(name, tensor)`` pairs as a receiver hands them to ``load_tensors``: an
+    iterator, with ``partial`` (a subset of the model's weights: the backend keeps the others)
+    and ``directory`` (the snapshot's files, for a backend that reloads from files; else None)."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]], *, partial: bool, directory: str | None = None):
+        self._items = iter(items)
+        self.partial, self.directory = partial, directory
+
+    def __iter__(self) -> UpdateTensors:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)
+
+
+def is_partial(named_tensors: Iterable) -> bool:
+    """Whether what ``load_tensors`` got is a partial update (``UpdateTensors.partial``); plain
+    pairs are a full one."""
+    return isinstance(named_tensors, UpdateTensors) and named_tensors.partial
+
+
 class TensorLoader(Protocol):
     """The engine backend inside a worker (``rollout.worker.WorkerBackend``), as receivers use it."""
 
@@ -141,7 +176,9 @@ class TensorLoader(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def load_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the tensors in; every weight unless ``is_partial(named_tensors)``."""
+        ...
 
 
 class WeightReceiver(Protocol):
@@ -202,10 +239,12 @@ def all_gather(channel: Channel, item: Any) -> list:
 
 
 class TensorSource:
-    """A ``WeightSource`` of fixed HF-named tensors (tools, tests, a rollout-only run)."""
+    """A ``WeightSource`` of fixed HF-named tensors (tools, tests, a rollout-only run);
+    ``partial``: they are some of the model's weights only."""
 
-    def __init__(self, named_tensors) -> None:
+    def __init__(self, named_tensors, *, partial: bool = False) -> None:
         self.named_tensors = list(named_tensors)
+        self.partial = partial
 
     def export(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.named_tensors)

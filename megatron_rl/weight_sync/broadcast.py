@@ -33,6 +33,7 @@ from megatron_rl.weight_sync.base import (
     SenderSetup,
     SyncStats,
     TensorLoader,
+    UpdateTensors,
     WeightUpdate,
     WorkerLoad,
     all_gather,
@@ -60,11 +61,13 @@ class JoinGroups(WorkerLoad):
 
 @dataclass(frozen=True)
 class ReceiveBuckets(WorkerLoad):
-    """Worker: receive each sender's tensors (``sources``: its specs, join order) and load them."""
+    """Worker: receive each sender's tensors (``sources``: its specs, join order) and load them
+    (``partial``: some of the model's weights, the engine keeps the others; ``base``)."""
 
     transport: ClassVar[str] = "broadcast"
     sources: tuple[tuple[TensorSpec, ...], ...]
     bucket_bytes: int
+    partial: bool = False
 
 
 class BroadcastUpdate(WeightUpdate):
@@ -74,6 +77,7 @@ class BroadcastUpdate(WeightUpdate):
 
     def __init__(self, sender: Sender, sources: tuple[tuple[TensorSpec, ...], ...], tensors: list[torch.Tensor]):
         self.sender, self.sources, self.tensors = sender, sources, tensors
+        self.partial = sender.setup.source.partial
 
     @property
     def staged(self) -> bool:
@@ -172,7 +176,7 @@ class Sender:
                 raise RuntimeError(f"a pipeline stage's sender failed: {peer_error}")
 
         return fanout.run(
-            {w: ReceiveBuckets(sources, self.setup.bucket_bytes) for w in workers},
+            {w: ReceiveBuckets(sources, self.setup.bucket_bytes, update.partial) for w in workers},
             "receive weights",
             collective=collective,
         )
@@ -275,8 +279,9 @@ class Receiver:
             )
         device = buffer_device(self._backend, backend.device)
         with one_copy_thread():
-            backend.load_tensors(
+            items = (
                 item
                 for group, specs in zip(self._groups, load.sources, strict=True)
                 for item in receive_tensors(group, specs, load.bucket_bytes, device, self._ring)
             )
+            backend.load_tensors(UpdateTensors(items, partial=load.partial))

@@ -28,7 +28,15 @@ from typing import ClassVar
 
 import torch
 
-from megatron_rl.weight_sync.base import SenderSetup, SyncStats, TensorLoader, WeightUpdate, WorkerLoad, all_gather
+from megatron_rl.weight_sync.base import (
+    SenderSetup,
+    SyncStats,
+    TensorLoader,
+    UpdateTensors,
+    WeightUpdate,
+    WorkerLoad,
+    all_gather,
+)
 from megatron_rl.weight_sync.buckets import TensorSpec, one_copy_thread
 
 ALIGN = 64  # byte alignment of each tensor in the file (any dtype view is legal, cache-line starts)
@@ -127,10 +135,12 @@ def read_shared(layout: SharedLayout, cache: dict | None = None) -> Iterator[tup
 @dataclass(frozen=True)
 class SharedMemoryUpdate(WeightUpdate, WorkerLoad):
     """Load every stage's file, in stage order (its own worker message; a restarted worker
-    loads it again: the files hold the version until the sync after next)."""
+    loads it again: the files hold the version until the sync after next); ``partial``: some of
+    the model's weights, the engine keeps the others (``base``)."""
 
     transport: ClassVar[str] = "shared_memory"
     layouts: tuple[SharedLayout, ...]
+    partial: bool = False
 
     def payload(self) -> SharedMemoryUpdate:
         return self
@@ -154,7 +164,7 @@ class Sender:
         entries = [e for e in all_gather(s.channel, (s.place.stage, layout)) if e[1] is not None]
         layouts = tuple(lay for _, lay in sorted(entries, key=lambda e: e[0]))
         if s.engine is not None:
-            s.engine.load_weights(SharedMemoryUpdate(layouts), version)
+            s.engine.load_weights(SharedMemoryUpdate(layouts, partial=s.source.partial), version)
         return SyncStats(sum(lay.tensor_bytes for lay in layouts))
 
 
@@ -166,4 +176,5 @@ class Receiver:
 
     def receive(self, load: SharedMemoryUpdate, backend: TensorLoader) -> None:
         with one_copy_thread():
-            backend.load_tensors(item for layout in load.layouts for item in read_shared(layout, self._mappings))
+            items = (item for layout in load.layouts for item in read_shared(layout, self._mappings))
+            backend.load_tensors(UpdateTensors(items, partial=load.partial))

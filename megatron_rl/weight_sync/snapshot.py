@@ -16,15 +16,17 @@ from typing import ClassVar
 
 import torch
 
-from megatron_rl.weight_sync.base import SenderSetup, SyncStats, TensorLoader, WeightUpdate, WorkerLoad
+from megatron_rl.weight_sync.base import SenderSetup, SyncStats, TensorLoader, UpdateTensors, WeightUpdate, WorkerLoad
 
 
 @dataclass(frozen=True)
 class SnapshotUpdate(WeightUpdate, WorkerLoad):
-    """Load the HF safetensors in ``path`` (its own worker message)."""
+    """Load the HF safetensors in ``path`` (its own worker message); ``partial``: they are some
+    of the model's weights, the engine keeps the others (``base``)."""
 
     transport: ClassVar[str] = "snapshot"
     path: str
+    partial: bool = False
 
     def payload(self) -> SnapshotUpdate:
         return self
@@ -42,25 +44,9 @@ class Sender:
         s.source.save(directory)  # device tensors are copied to host by the writer
         nbytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         if s.engine is not None:
-            s.engine.load_weights(SnapshotUpdate(str(directory)), version)
+            s.engine.load_weights(SnapshotUpdate(str(directory), partial=s.source.partial), version)
             shutil.rmtree(Path(s.scratch) / f"v{version - 2}", ignore_errors=True)  # keep two
         return SyncStats(nbytes)
-
-
-class SnapshotTensors:
-    """An iterator of the snapshot ``directory``'s ``(name, tensor)`` pairs (as ``read_snapshot``);
-    a backend that reloads from files (vLLM at TP > 1) reads ``directory`` itself instead of
-    rewriting them."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self._items = read_snapshot(directory)
-
-    def __iter__(self) -> SnapshotTensors:
-        return self
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._items)
 
 
 def read_snapshot(path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -79,4 +65,5 @@ class Receiver:
     def receive(self, load: SnapshotUpdate, backend: TensorLoader) -> None:
         if not Path(load.path).is_dir():
             raise FileNotFoundError(f"weight snapshot {load.path!r} is not a directory on this machine")
-        backend.load_tensors(SnapshotTensors(load.path))
+        # a backend that reloads from files (vLLM at TP > 1) reads ``directory`` itself
+        backend.load_tensors(UpdateTensors(read_snapshot(load.path), partial=load.partial, directory=load.path))

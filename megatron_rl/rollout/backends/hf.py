@@ -51,7 +51,10 @@ class HFBackend:
 
     @torch.no_grad()
     def load_tensors(self, named_tensors, *, source: str = "weight sync") -> None:
-        """Copy HF-named tensors into the model in place; every parameter must be covered."""
+        """Copy HF-named tensors into the model in place; every parameter must be covered, but
+        in a partial update (``weight_sync.is_partial``: LoRA's merged layers), which keeps the rest."""
+        from megatron_rl.weight_sync import is_partial
+
         targets = self._model.state_dict()
         loaded: set[int] = set()
         for name, tensor in named_tensors:
@@ -67,7 +70,7 @@ class HFBackend:
             target.copy_(tensor)
             loaded.add(targets[target_name].data_ptr())
         missing = [n for n, p in self._model.named_parameters() if p.data_ptr() not in loaded]
-        if missing:
+        if missing and not is_partial(named_tensors):
             raise ValueError(f"{source} lacks parameters {missing[:5]} ({len(missing)} in all)")
 
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:

@@ -24,6 +24,9 @@ against). Choices:
   the old weights. vLLM's ``reload_weights`` re-creates every layer instead: 1.8-4 s for the
   0.54 GB demo model. At TP > 1 every TP rank is a process of vLLM's own: the tensors go
   through a shared-memory safetensors file and ``reload_weights`` (``_reload_from_file``).
+  A partial update (``weight_sync.is_partial``: LoRA's merged layers) loads its tensors and keeps
+  every other weight: ``load_weights`` touches only what it is given, and ``reload_weights``
+  (vLLM 0.32's layerwise reload) puts a layer that got no tensor back as it was.
 """
 
 from __future__ import annotations
@@ -63,14 +66,16 @@ class VLLMBackend:
         return torch.device("cpu") if self._device_kind == "cpu" else torch.device(self._device_kind, 0)
 
     def load_tensors(self, named_tensors) -> None:
-        """Replace every weight with HF-named full tensors, in place (module doc); drop the
-        prefix cache."""
+        """Replace every weight (a partial update: its own) with HF-named full tensors, in place
+        (module doc); drop the prefix cache."""
+        from megatron_rl.weight_sync import is_partial
+
         if self._tp == 1:
             ((loaded, names),) = self._engine.apply_model(
                 partial(load_in_place, named_tensors, repack=self._device_kind == "cpu")
             )
             missing = sorted(set(names) - set(loaded))
-            if missing:
+            if missing and not is_partial(named_tensors):
                 raise ValueError(f"weight sync lacks parameters {missing[:5]} ({len(missing)} in all)")
         else:
             self._reload_from_file(named_tensors)
