@@ -25,7 +25,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("platform",),
     ("models", "attention", "parallel", "lora", "algorithms", "data", "rewards", "environments", "control"),
-    ("trimodel", "weight_sync", "rollout"),
+    ("trimodel", "weight_sync", "rollout", "gateway"),
     ("generation",),
     ("pipeline",),
     ("trainer",),

@@ -14,6 +14,7 @@ from .errors import ConfigError, Problem
 from .loader import config_from_dict, config_to_dict, load_config, save_config
 from .schema import (
     AdvantageConfig,
+    AgentConfig,
     AlgorithmConfig,
     AttentionConfig,
     ClipConfig,
@@ -37,6 +38,7 @@ from .validate import validate, validate_world
 
 __all__ = [
     "AdvantageConfig",
+    "AgentConfig",
     "AlgorithmConfig",
     "AttentionConfig",
     "ClipConfig",

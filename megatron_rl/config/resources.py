@@ -36,6 +36,7 @@ def check_resources(cfg: Config) -> Found:
         ("control.kind", cfg.control.kind),
         ("environment.kind", cfg.environment.kind),
         ("rollout.generator", cfg.rollout.generator),
+        ("agent.run", cfg.agent.run),
     ):
         if ":" in spec:
             _, why = find_dotted(spec)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .schema_agent import AgentConfig
 from .schema_lora import LoraConfig
 
 # Every enum of the config, declared once; the components import these.
@@ -40,7 +41,7 @@ BuiltinController = Literal["fixed", "sagc"]  # control.kind names; any other ki
 # environment.kind names ("none": single-turn rollouts); any other kind is a dotted path
 BuiltinEnvironment = Literal["none", "echo", "calculator", "python"]
 # rollout.generator names (megatron_rl.generation's registry); any other generator is a dotted path
-BuiltinGenerator = Literal["auto", "single_turn", "multi_turn"]
+BuiltinGenerator = Literal["auto", "single_turn", "multi_turn", "agent"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,6 +383,7 @@ class Config:
     data: DataConfig  # prompt dataset
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward function
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn environment
+    agent: AgentConfig = field(default_factory=AgentConfig)  # OpenAI-API agents (rollout.generator: agent)
     distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
     lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (rank 0: full fine-tuning)
     trainer: TrainerConfig  # loop, optimizer, checkpoints

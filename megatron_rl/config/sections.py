@@ -291,6 +291,19 @@ def _environment(e: Any) -> Found:
         yield "environment.options", "are keyword arguments of an environment; environment.kind 'none' takes none"
 
 
+def _agent(a: Any) -> Found:
+    """agent.run is a dotted path (when set); counts and limits positive; off loopback a key."""
+    if a.run and not DOTTED_PATH.match(a.run):
+        yield "agent.run", f"{a.run!r} is not a dotted path 'pkg.mod:function' (a function run(task, base_url))"
+    for name in ("workers", "timeout_s", "max_total_tokens"):
+        if not getattr(a, name) > 0:
+            yield f"agent.{name}", f"must be > 0, got {getattr(a, name)!r}"
+    if not 0 <= a.port <= 65535:
+        yield "agent.port", f"must be in [0, 65535] (0: a free port), got {a.port}"
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.key:
+        yield "agent.key", f"agent.host={a.host!r} is not loopback: set agent.key (every request must carry it)"
+
+
 # HF projection names -> the megatron linear that fuses them (a LoRA target names the latter)
 HF_PROJECTIONS = {
     **dict.fromkeys(("q_proj", "k_proj", "v_proj"), "linear_qkv"),
@@ -341,6 +354,7 @@ SECTION_RULES: dict[str, Callable[[Any], Found]] = {
     "reward": _reward,
     "environment": _environment,
     "distill": distill_section,
+    "agent": _agent,
     "lora": _lora,
     "trainer": _trainer,
 }

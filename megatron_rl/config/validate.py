@@ -218,6 +218,17 @@ def check_generator_environment(cfg: Config) -> Found:
         )
 
 
+def check_agent_generator(cfg: Config) -> Found:
+    """rollout.generator 'agent' needs agent.run and no environment; agent.run needs that generator."""
+    name, run = cfg.rollout.generator, cfg.agent.run
+    if name == "agent" and not run:
+        yield "agent.run", "rollout.generator 'agent' needs agent.run: the agent's 'pkg.mod:function'"
+    if name == "agent" and cfg.environment.kind != "none":
+        yield "environment.kind", f"{cfg.environment.kind!r}, but the agent talks to its own tools: use 'none'"
+    if run and name != "agent":
+        yield "agent.run", f"is set but rollout.generator is {name!r}: use 'agent' or remove agent.run"
+
+
 def check_temperature(cfg: Config) -> Found:
     """Log-probs must be computed at the temperature the responses were sampled at."""
     train_t, sample_t = cfg.algorithm.temperature, cfg.rollout.sampling.temperature
@@ -236,6 +247,7 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_multiturn_budget,
     check_multiturn_routing_replay,
     check_generator_environment,
+    check_agent_generator,
     check_temperature,
     check_distill,
     check_weight_files,

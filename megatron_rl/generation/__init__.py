@@ -5,10 +5,12 @@ Modules: `base` (the contract: ``BatchRequest`` in, ``Trajectory`` / ``FailedGro
 ``register_generator`` / ``build_generator``), `single_turn` (one ``generate`` call per batch,
 one response per (prompt, k)), `multi_turn` (environment turns on one ``generate_stream``:
 resets, shared prompts) with `turn_loop` (the turns, budgets, observations spliced in),
-`metrics` (the ``multiturn/...`` figures of a step). The pipeline's producer drives a generator
+`metrics` (the ``multiturn/...`` figures of a step), `agent` (users' OpenAI-API agents, one per
+trajectory, against the ``gateway``). The pipeline's producer drives a generator
 and scores what it yields; ``trainer.from_config`` picks one by ``environment.kind``.
 """
 
+from megatron_rl.generation.agent import AgentGenerator, AgentSettings, AgentStats
 from megatron_rl.generation.base import (
     BatchRequest,
     FailedGroup,
@@ -29,6 +31,9 @@ from megatron_rl.generation.single_turn import Detokenize, SingleTurnGenerator
 from megatron_rl.generation.turn_loop import MultiTurnSettings, StepRunner
 
 __all__ = [
+    "AgentGenerator",
+    "AgentSettings",
+    "AgentStats",
     "BatchRequest",
     "Detokenize",
     "FailedGroup",

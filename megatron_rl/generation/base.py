@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from megatron_rl.config.resources import find_dotted
 from megatron_rl.config.schema import DataConfig, EnvironmentConfig
+from megatron_rl.config.schema_agent import AgentConfig
 from megatron_rl.rollout.types import RolloutEngine, RoutedExperts, SamplingSettings
 
 
@@ -178,6 +179,7 @@ class GeneratorSetup:
     sampling: SamplingSettings  # rollout.sampling (stop ids: the tokenizer's EOS and the stop strings)
     tokenizer: Any  # HF tokenizer: decodes responses for the reward, renders chat turns
     environment: EnvironmentConfig = EnvironmentConfig()  # the environment section (multi-turn)
+    agent: AgentConfig = AgentConfig()  # the agent section (agent rollouts over the gateway)
     instruction: str | None = DataConfig.instruction  # data.instruction (multi-turn reset fields)
 
 
