@@ -36,7 +36,9 @@ def tiny_chat_model(tmp_path_factory):
 
 
 def test_every_recipe_is_covered():
-    assert {"demo", "grpo_smollm2", "dapo_smollm2", "ppo_stale_smollm2", "tool_calc_smollm2"} <= set(RECIPES)
+    assert {"demo", "grpo_smollm2", "dapo_smollm2", "ppo_stale_smollm2", "tool_calc_smollm2", "lora_smollm2"} <= set(
+        RECIPES
+    )
 
 
 @pytest.mark.slow
@@ -57,6 +59,9 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     ]
     if multiturn:  # one character a token: the tool description and the worked examples are ~1500 tokens
         overrides += ["environment.max_total_tokens=1800", "pipeline.micro_batch_tokens=2400"]
+    judged = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())["reward"].get("kind") == "judge"
+    if judged:  # the tiny model judges too (SmolLM2 judges itself in the recipe); it has no chat template
+        overrides += [f"reward.judge.model={model}", "reward.judge.chat_template=false"]
     (history,) = run_distributed(
         train_run, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides, timeout_s=900
     )
@@ -64,5 +69,7 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps
     if multiturn:
         assert all(h["multiturn/model_tokens"] > 0 for h in history)
+    if judged:  # every response went to the judge's engines and got a verdict, read or counted unparsed
+        assert history[-1]["reward/calls"] > 0 and "reward/failures_unparsed" in history[-1]
     if recipe == "ppo_stale_smollm2":  # the engine probe measures every step; δ masking is on (stale samples too)
         assert all(h["mismatch_probe/n_tokens"] > 0 and "mismatch/delta_dropped_tokens" in h for h in history)
