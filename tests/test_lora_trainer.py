@@ -22,8 +22,11 @@ pytestmark = [pytest.mark.multiproc]
 RANK = 4
 
 
-def lora_trainer_settings(path, *, dtype="float32", distributed_optimizer=False, kl_coef=0.0, mini_batches=1):
-    """Trainer settings of a LoRA policy (rank 4, alpha 8, every target) on ``path``."""
+def lora_trainer_settings(
+    path, *, dtype="float32", distributed_optimizer=False, kl_coef=0.0, mini_batches=1, adam_eps=1e-8
+):
+    """Trainer settings of a LoRA policy (rank 4, alpha 8, every target) on ``path``; a large
+    ``adam_eps`` makes Adam SGD-like (layouts compared on the gradient, not on sign() of tiny entries)."""
     from megatron_rl.algorithms import LossSettings
     from megatron_rl.config.schema import AttentionConfig, ModelConfig, ParallelConfig, TrainerConfig
     from megatron_rl.lora import LoraSettings
@@ -36,7 +39,7 @@ def lora_trainer_settings(path, *, dtype="float32", distributed_optimizer=False,
         attention=AttentionConfig(backend="split"),
         parallel=ParallelConfig(distributed_optimizer=distributed_optimizer),
         loss=LossSettings(kind="grpo", kl_coef=kl_coef),
-        trainer=TrainerConfig(steps=1, lr=1e-2, mini_batches=mini_batches),
+        trainer=TrainerConfig(steps=1, lr=1e-2, mini_batches=mini_batches, adam_eps=adam_eps),
         lora=LoraSettings(rank=RANK, alpha=8.0),
     )
 

@@ -91,6 +91,16 @@ def _adapter(module, rule: ParamRule, names: tuple[str, ...], *, settings, spec,
         if parallel == "row":
             a = a.chunk(tp, dim=1)[shard.tp_rank]
         b = torch.zeros(out, settings.rank)
-        parts.append(LoraPart(a.to(weight), b.to(weight), hf_name))
+        parts.append(_tp_marked(LoraPart(a.to(weight), b.to(weight), hf_name), parallel))
     layout = FusedLayout(rule=rule if len(parts) > 1 else None, local_spec=local_spec)
     return LoraAdapter(parts, parallel=parallel, layout=layout, scale=settings.scale, dropout=settings.dropout)
+
+
+def _tp_marked(part: LoraPart, parallel: Parallel) -> LoraPart:
+    """Megatron's TP attributes on the part's split tensor (column: B by rows, row: A by columns),
+    so the grad norm counts every rank's shard once and the replicated tensor once."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    split, dim = (part.lora_B, 0) if parallel == "column" else (part.lora_A, 1)
+    set_tensor_model_parallel_attributes(split, True, dim, 1)
+    return part
