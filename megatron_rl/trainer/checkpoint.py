@@ -3,9 +3,16 @@
 
 Layout of ``<save_dir>/step_N``::
 
-    model/              HF checkpoint of the policy (loadable by transformers, vLLM, the trainer)
-    optimizer/          Adam state per HF-named parameter (``optimizer_state``): the trainer
-                        writes this, and any TP x PP x DP layout resumes it
+    model/              HF checkpoint of the policy (loadable by transformers, vLLM, the trainer);
+                        not written with LoRA, whose base is not rewritten at every save:
+    adapter/            (LoRA) the adapters in PEFT's format (``lora.checkpoint``):
+                        adapter_config.json + adapter_model.safetensors, what
+                        ``PeftModel.from_pretrained(base, adapter/)`` loads
+    base_model.json     (LoRA) {"path", "fingerprint"} of the base the adapters were trained on
+    merged/             (LoRA, ``lora.save_merged``) HF checkpoint of W + scale * B A
+    optimizer/          Adam state per HF-named parameter (``optimizer_state``; with LoRA per
+                        PEFT-named adapter tensor): the trainer writes this, and any TP x PP x
+                        DP layout resumes it
     optimizer/rank_R.pt (older checkpoints, ``save_optimizer``) one rank's optimizer state
                         dict: plain containers of tensors and scalars; same layout only
     trainer_state.json  {"step", "controller", "prompt_stream", "config"}
@@ -19,6 +26,10 @@ Contract:
   lists, tuples, strings, numbers, booleans, None and tensors (``CheckpointError`` naming the
   key otherwise), so it loads with ``torch.load(weights_only=True)``, which runs no pickled
   code. Weights are safetensors.
+- A LoRA checkpoint resumes on the base named by the resuming run's ``model.hf_path`` (a moved
+  base: point ``model.hf_path`` at its new place); ``base_model.json``'s fingerprint (config.json
+  and the size, first and last MiB of each safetensors file: a cheap identity check, not a
+  hash of the weights) must match it, else ``CheckpointError`` naming ``model.hf_path``.
 - ``load_run_state`` verifies the manifest first: a missing, truncated or corrupted file
   raises ``CheckpointError`` (a ``ValueError``) naming the file, before anything is loaded.
 """
@@ -39,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 STATE_FILE = "trainer_state.json"
+MODEL_DIR, ADAPTER_DIR, MERGED_DIR, BASE_FILE = "model", "adapter", "merged", "base_model.json"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -219,6 +231,83 @@ def resolve_resume(cfg: Any) -> Any:
             f"megatron_rl: trainer.resume_from=auto -> {found or 'no complete checkpoint: a fresh start'}", flush=True
         )
     return dataclasses.replace(cfg, trainer=dataclasses.replace(t, resume_from=str(found) if found else None))
+
+
+def save_policy(optimizer, policy, spec, staging: Path, *, source_dir: str | Path, save_merged: bool) -> None:
+    """This rank's share of the policy's weights and optimizer state in ``staging`` (module doc):
+    ``model/`` for a full model; ``adapter/`` + ``base_model.json`` (+ ``merged/`` when
+    ``save_merged``) for a LoRA policy, whose base is ``source_dir``. Collective over the world."""
+    from megatron_rl.lora.checkpoint import has_adapters, save_merged_checkpoint, save_peft_adapter
+    from megatron_rl.models import save_hf_checkpoint
+    from megatron_rl.trainer.optimizer_state import save_optimizer_state
+
+    if has_adapters(policy):
+        save_peft_adapter(policy, staging / ADAPTER_DIR, base_path=source_dir)
+        if save_merged:
+            save_merged_checkpoint(policy, spec, staging / MERGED_DIR, source_dir=source_dir)
+        if _rank() == 0:
+            base = {"path": str(source_dir), "fingerprint": base_fingerprint(source_dir)}
+            (staging / BASE_FILE).write_text(json.dumps(base, indent=1))
+    else:
+        save_hf_checkpoint(policy, spec, staging / MODEL_DIR, source_dir=source_dir)
+    save_optimizer_state(optimizer, policy, spec, staging / "optimizer")
+
+
+def base_fingerprint(path: str | Path) -> str:
+    """A cheap identity of the HF checkpoint at ``path``: sha256 of its config.json and of each
+    safetensors file's name, size, first and last MiB (a different model or fine-tune differs)."""
+    path, digest = Path(path), hashlib.sha256()
+    digest.update((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(_BLOCK))
+            f.seek(max(size - _BLOCK, 0))
+            digest.update(f.read(_BLOCK))
+    return digest.hexdigest()
+
+
+def resume_policy_path(checkpoint: str | Path, *, lora: bool, base_path: str | Path) -> str:
+    """Where the resumed policy's weights load from: ``checkpoint/model`` for a full model; the
+    base ``base_path`` (``model.hf_path``) for LoRA, checked against ``base_model.json``.
+    ``CheckpointError`` naming the key when the checkpoint is of the other kind or another base."""
+    checkpoint = Path(checkpoint)
+    if not lora:
+        if not (checkpoint / MODEL_DIR).is_dir() and (checkpoint / ADAPTER_DIR).is_dir():
+            raise CheckpointError(
+                f"trainer.resume_from={str(checkpoint)!r} holds LoRA adapters: resume it with its lora section "
+                f"(lora.rank > 0), or start a full fine-tune from its {MERGED_DIR}/ as model.hf_path"
+            )
+        return str(checkpoint / MODEL_DIR)
+    if not (checkpoint / ADAPTER_DIR).is_dir():
+        raise CheckpointError(
+            f"trainer.resume_from={str(checkpoint)!r} has no {ADAPTER_DIR}/ (a full fine-tune checkpoint), but "
+            "lora.rank > 0: resume it with lora.rank 0, or start LoRA from its model/ as model.hf_path"
+        )
+    saved = json.loads((checkpoint / BASE_FILE).read_text())
+    if saved["fingerprint"] != base_fingerprint(base_path):
+        raise CheckpointError(
+            f"model.hf_path={str(base_path)!r} is not the base the adapters of {str(checkpoint)!r} were trained on "
+            f"({saved['path']!r}; fingerprints differ): point model.hf_path at that base"
+        )
+    return str(base_path)
+
+
+def load_policy_state(optimizer, policy, spec, checkpoint: str | Path) -> None:
+    """Restore the policy's adapters (LoRA: ``adapter/``, PEFT's format) and the optimizer state
+    of ``checkpoint`` into this rank's shards: per HF / PEFT name (any layout), or an older
+    checkpoint's per-rank files (the same layout only)."""
+    from megatron_rl.lora.checkpoint import has_adapters, load_peft_adapter
+    from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
+
+    checkpoint = Path(checkpoint)
+    if has_adapters(policy):
+        load_peft_adapter(policy, checkpoint / ADAPTER_DIR)
+    if is_resharding_checkpoint(checkpoint / "optimizer"):
+        load_optimizer_state(optimizer, policy, spec, checkpoint / "optimizer")
+    else:
+        load_optimizer(optimizer, checkpoint)
 
 
 def _sha256(file: Path, fsync: bool = False) -> str:

@@ -6,12 +6,14 @@ rank. Here each model parameter's state is first made whole over DP (``param_sta
 owners' slices summed into zeros, one all-reduce), then its TP shards are gathered and named
 as the HF tensors of the weights (``models.convert``: the same QKV interleave, gate / up
 split and vocabulary padding, all elementwise-safe), so the file is independent of TP, PP,
-DP and the optimizer wrapper. Loading cuts it again for the resuming layout.
+DP and the optimizer wrapper. Loading cuts it again for the resuming layout. A LoRA policy
+(``lora.checkpoint.has_adapters``) has state for its adapters only, named as PEFT names them
+(``<key>/base_model.model.<HF module>.lora_A.weight``: TP shards joined along the dim TP splits).
 
 Files under ``<checkpoint>/optimizer/``::
 
-    stage-00001-of-0000P.safetensors  "exp_avg/<hf name>", "exp_avg_sq/<hf name>" and, when
-                                      the model is not fp32, "param/<hf name>" (fp32 master
+    stage-00001-of-0000P.safetensors  "exp_avg/<name>", "exp_avg_sq/<name>" and, when the
+                                      trained weights are not fp32, "param/<name>" (fp32 master
                                       weights); one file per PP stage, written by its TP 0 / DP 0
     optimizer.json                    {"format", "step", "keys"}
 
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from megatron_rl.lora.checkpoint import adapter_tensors, has_adapters
 from megatron_rl.models import DecoderSpec
 from megatron_rl.models.convert import EXPERT_KINDS, hf_to_shard, load_names, match_rule
 from megatron_rl.models.hf_io import expert_parallel_size, export_items, gather_hf, layer_offset, shard_info
@@ -156,19 +159,36 @@ def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter, object, int 
 
 
 def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | Path) -> None:
-    """Write the state of ``optimizer`` (over ``model``'s parameters) into ``directory``; see
-    the module doc. Collective over the world; returns once every file is written. Streamed:
-    each tensor is made whole over DP and TP on its stage's writer (TP 0 / DP 0), written, freed."""
+    """Write the state of ``optimizer`` (over ``model``'s parameters; with LoRA, its adapters',
+    by PEFT name) into ``directory``; see the module doc. Collective over the world; returns once
+    every file is written. Streamed: each tensor is made whole over DP and TP on its stage's
+    writer (TP 0 / DP 0), written, freed."""
     from megatron.core import parallel_state as ps
 
     access = _Access(optimizer)
-    keys = MOMENTS if all(p.dtype == torch.float32 for p in model.parameters()) else ("param", *MOMENTS)
+    trained = [p for p in model.parameters() if p.requires_grad] if has_adapters(model) else model.parameters()
+    keys = MOMENTS if all(p.dtype == torch.float32 for p in trained) else ("param", *MOMENTS)
     step = max_over_world(access.step())
     directory = Path(directory)
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    writer = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    if writer:
+        directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"
+    write = _write_adapter_state if has_adapters(model) else _write_model_state
+    write(access, model, spec, path if writer else None, keys)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / META_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "keys": keys}))
+    host_barrier()  # on return, on every rank, the directory is complete
+
+
+def _write_model_state(access: _Access, model, spec: DecoderSpec, path: Path | None, keys) -> None:
+    """Every parameter's state of this stage, by HF name, into ``path`` (None: not the writer)."""
+    from megatron.core import parallel_state as ps
+
     first_dp = ps.get_data_parallel_rank() == 0
     first_edp = ps.get_expert_data_parallel_rank() == 0  # routed experts: gathered over EP from every DP replica
-    writer = first_dp and ps.get_tensor_model_parallel_rank() == 0
     items = export_items(model, spec)
     entries = [
         TensorEntry(f"{key}/{n}", torch.float32, s)
@@ -176,10 +196,7 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
         for key in keys
         for n, s in zip(it.names, it.shapes, strict=True)
     ]
-    if writer:
-        directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"
-    with SafetensorsStream(path, entries, {"format": "pt"}) if writer else nullcontext() as out:
+    with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:
         for item in items:
             first = first_edp if item.rule.kind in EXPERT_KINDS else first_dp  # of the parameter's DP group
             for key in keys:
@@ -190,10 +207,24 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
                     for name, tensor in zip(item.names, full, strict=True):
                         out.write(f"{key}/{name}", tensor)
                 del shard, full  # one tensor at a time
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / META_FILE).write_text(json.dumps({"format": FORMAT, "step": step, "keys": keys}))
-    host_barrier()  # on return, on every rank, the directory is complete
+
+
+def _write_adapter_state(access: _Access, model, spec: DecoderSpec, path: Path | None, keys) -> None:
+    """Every adapter tensor's state of this stage, by PEFT name, into ``path`` (None: not the
+    writer); the frozen base has none."""
+    from megatron.core import parallel_state as ps
+
+    first_dp, tensors = ps.get_data_parallel_rank() == 0, adapter_tensors(model)
+    tp = ps.get_tensor_model_parallel_world_size()
+    entries = [TensorEntry(f"{key}/{t.name}", torch.float32, t.full_shape(tp)) for t in tensors for key in keys]
+    with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:
+        for t in tensors:
+            for key in keys:
+                shard = access.local(t.param, key) if first_dp or access.is_distributed(t.param) else None
+                full = t.gather(shard) if first_dp else None
+                if full is not None:
+                    out.write(f"{key}/{t.name}", full)
+                del shard, full
 
 
 def is_resharding_checkpoint(directory: str | Path) -> bool:
@@ -209,19 +240,43 @@ def load_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
         raise ValueError(f"{directory / META_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
     handles = [safe_open(str(f), "pt") for f in sorted(directory.glob("stage-*.safetensors"))]
     file_of = {name: h for h in handles for name in h.keys()}
-    shard = shard_info(model)
     access = _Access(optimizer)
+    if has_adapters(model):
+        _load_adapter_state(access, model, meta["keys"], file_of=file_of, directory=directory)
+    else:
+        _load_model_state(access, model, spec, meta["keys"], file_of=file_of, directory=directory)
+    access.set_step(int(meta["step"]))
+
+
+def _load_model_state(access: _Access, model, spec: DecoderSpec, keys, *, file_of, directory: Path) -> None:
+    """Set every parameter's state from the HF-named tensors of ``file_of``."""
+    shard = shard_info(model)
     for name, param, rule, layer in _named_params(model):
         tensors = {}
-        for key in meta["keys"]:
+        for key in keys:
             wanted = [f"{key}/{n}" for n in load_names(rule, layer, spec, shard)]
             if missing := [w for w in wanted if w not in file_of]:
                 raise ValueError(f"{directory}: no optimizer state {missing[0]!r} for parameter {name}")
             tensors[key] = hf_to_shard(rule, [file_of[w].get_tensor(w) for w in wanted], spec, shard)
-            if tensors[key].shape != param.shape:
-                raise ValueError(
-                    f"{directory}: optimizer state of {name} has shape {tuple(tensors[key].shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
+            _check_shape(directory, name, tensors[key], param)
         access.set(param, tensors)
-    access.set_step(int(meta["step"]))
+
+
+def _load_adapter_state(access: _Access, model, keys, *, file_of, directory: Path) -> None:
+    """Set every adapter tensor's state from the PEFT-named tensors of ``file_of``."""
+    for t in adapter_tensors(model):
+        tensors = {}
+        for key in keys:
+            if (wanted := f"{key}/{t.name}") not in file_of:
+                raise ValueError(f"{directory}: no optimizer state {wanted!r} for adapter tensor {t.name}")
+            tensors[key] = t.local(file_of[wanted].get_tensor(wanted))
+            _check_shape(directory, t.name, tensors[key], t.param)
+        access.set(t.param, tensors)
+
+
+def _check_shape(directory: Path, name: str, value: torch.Tensor, param: torch.nn.Parameter) -> None:
+    if value.shape != param.shape:
+        raise ValueError(
+            f"{directory}: optimizer state of {name} has shape {tuple(value.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
