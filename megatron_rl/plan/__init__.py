@@ -4,8 +4,9 @@ Where every rank and engine runs and how much device memory a training rank need
 anything launches.
 
 Modules: `devices` (device memory table), `layout` (ranks and engines per node, megatron's
-TP / PP / DP coordinates), `memory` (the per-device memory model), `build` (config -> `Plan`,
-fit verdict, knob advice), `report` (the printed text).
+TP / PP / DP coordinates), `memory` (the per-device memory model; its MoE and LoRA terms in
+`moe_memory` and `lora_memory`), `build` (config -> `Plan`, fit verdict, knob advice),
+`report` (the printed text).
 """
 
 from .build import Plan, build_plan
