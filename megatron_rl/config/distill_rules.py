@@ -4,7 +4,6 @@ sections (``validate.CROSS_SECTION_CHECKS``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from .devices import parse_device
@@ -35,15 +34,13 @@ def distill_section(d: Any) -> Found:
 
 
 def check_distill(cfg: Config) -> Found:
-    """A distill loss needs a teacher (a checkpoint dir); a vllm teacher scores at temperature 1; the
+    """A distill loss needs a teacher (its files: ``resources.py``); a vllm teacher scores at temperature 1; the
     teacher's devices are its own; a loss without reward drops no group by reward."""
     d, a = cfg.distill, cfg.algorithm
     if a.loss == "distill" and d.teacher is None:
         yield "distill.teacher", "algorithm.loss 'distill' needs a teacher: set distill.teacher to its HF checkpoint"
     if d.teacher is None:
         return
-    if not Path(d.teacher).is_dir():
-        yield "distill.teacher", f"{d.teacher!r} is not a directory (the teacher's HF checkpoint)"
     if d.engine == "vllm" and a.temperature != 1.0:
         yield (
             "distill.engine",

@@ -31,6 +31,8 @@ def check_resources(cfg: Config) -> Found:
     """Every problem of the files and import paths `cfg` names."""
     yield from check_data_file(cfg.data.source)
     yield from check_model_dir(cfg.model.hf_path)
+    if cfg.distill.teacher is not None:  # on-policy distillation: the teacher's checkpoint, as the model's
+        yield from (("distill.teacher", why) for _, why in check_model_dir(cfg.distill.teacher))
     for key, spec in (
         ("reward.fn", cfg.reward.fn),
         ("control.kind", cfg.control.kind),
