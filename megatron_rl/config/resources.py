@@ -31,6 +31,9 @@ def check_resources(cfg: Config) -> Found:
     """Every problem of the files and import paths `cfg` names."""
     yield from check_data_file(cfg.data.source)
     yield from check_model_dir(cfg.model.hf_path)
+    from .reward_rules import check_reward_files  # it imports this module
+
+    yield from check_reward_files(cfg.reward)
     if cfg.distill.teacher is not None:  # on-policy distillation: the teacher's checkpoint, as the model's
         yield from (("distill.teacher", why) for _, why in check_model_dir(cfg.distill.teacher))
     for key, spec in (

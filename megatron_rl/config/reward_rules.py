@@ -85,3 +85,20 @@ def _devices(key: str, devices: list[str], *, one_id: bool) -> Found:
             continue
         if one_id and device.kind != "cpu" and len(device.ids) != 1:
             yield key, f"[{i}] = {text!r}: each worker runs on one device, e.g. '{device.kind}:{device.ids[0]}'"
+
+
+def check_reward_files(r: Any) -> Found:
+    """The judge's and the reward model's checkpoint directories, and a dotted judge parser's
+    import, when the reward uses them (run by ``resources.check_resources``)."""
+    from .resources import check_model_dir, find_dotted
+
+    used = used_components(r)
+    dirs = {"reward.judge.model": r.judge.model if "judge" in used else None}
+    dirs["reward.model.path"] = r.model.path if "model" in used else None
+    for key, path in dirs.items():
+        if path:
+            yield from ((key, why) for _, why in check_model_dir(path))
+    if "judge" in used and ":" in r.judge.parser:
+        _, why = find_dotted(r.judge.parser)
+        if why:
+            yield "reward.judge.parser", f"{r.judge.parser!r}: {why}"
