@@ -65,6 +65,8 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     judged = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())["reward"].get("kind") == "judge"
     if judged:  # the tiny model judges too (SmolLM2 judges itself in the recipe); it has no chat template
         overrides += [f"reward.judge.model={model}", "reward.judge.chat_template=false"]
+    if "distill" in yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text()):
+        overrides.append(f"distill.teacher={model}")  # the teacher: the tiny model itself (same tokenizer)
     (history,) = run_distributed(
         train_run, 1, str(REPO / "examples" / recipe / "config.yaml"), overrides, timeout_s=900
     )
