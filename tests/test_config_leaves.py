@@ -103,6 +103,7 @@ RUNS = {
         "environment.max_turns=2",
         "environment.max_total_tokens=200",
         "environment.step_timeout_s=30",
+        "lora.rank=4",  # LoRA on the policy: the lora.* leaves (at rank 0, the default, only rank is read)
     ],
 }
 
