@@ -11,6 +11,7 @@ construction, run outside the recording.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -87,7 +88,13 @@ def _train_tracked(config_path: str, overrides: list[str]) -> set[str]:
 
 
 RUNS = {
-    "periodic_fixed": ["pipeline.mode=periodic", "algorithm.kl.coef=0.1"],
+    # on-policy distillation added to GRPO: the distill.* leaves (the teacher: the model itself)
+    "periodic_fixed": [
+        "pipeline.mode=periodic",
+        "algorithm.kl.coef=0.1",
+        "distill.teacher={model}",
+        "distill.coef=0.5",
+    ],
     "stale_sagc_overlong": [
         "pipeline.mode=stale",
         "pipeline.max_staleness=1",
@@ -126,6 +133,7 @@ def test_the_tree_has_the_leaves_we_expect():
 def test_every_leaf_is_read_by_the_run(config):
     read = set()
     for name, overrides in RUNS.items():
+        overrides = [o.replace("{model}", str(Path(config).parent / "model")) for o in overrides]
         (got,) = run_distributed(_train_tracked, 1, config, overrides, timeout_s=600)
         if name == "periodic_fixed":  # the recording tells branches apart: no SAGC, no overlong here
             assert "control.sagc.candidates" not in got and "algorithm.overlong.buffer" not in got
