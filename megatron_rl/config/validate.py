@@ -227,6 +227,15 @@ def check_agent_generator(cfg: Config) -> Found:
         yield "environment.kind", f"{cfg.environment.kind!r}, but the agent talks to its own tools: use 'none'"
     if run and name != "agent":
         yield "agent.run", f"is set but rollout.generator is {name!r}: use 'agent' or remove agent.run"
+    budget = cfg.agent.max_total_tokens
+    if name == "agent" and cfg.pipeline.micro_batch_tokens < budget:
+        yield (
+            "pipeline.micro_batch_tokens",
+            f"{cfg.pipeline.micro_batch_tokens} < agent.max_total_tokens ({budget}): a whole agent trajectory "
+            f"must fit a micro-batch; raise it to >= {budget}",
+        )
+    if name == "agent" and cfg.algorithm.routing_replay == "rollout":
+        yield "algorithm.routing_replay", "'rollout' cannot be combined with agent rollouts (multi-turn: use 'none')"
 
 
 def check_temperature(cfg: Config) -> Found:
