@@ -46,7 +46,8 @@ def test_every_recipe_is_covered():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     steps = STEPS.get(recipe, 2)
-    multiturn = "environment" in yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())
+    shipped = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())
+    multiturn = "environment" in shipped or "agent" in shipped  # an agent's chat goes through the template too
     model = request.getfixturevalue("tiny_chat_model" if multiturn else "tiny_model")
     overrides = [
         f"model.hf_path={model}",
@@ -58,7 +59,8 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
         "algorithm.overlong.buffer=4",
     ]
     if multiturn:  # one character a token: the tool description and the worked examples are ~1500 tokens
-        overrides += ["environment.max_total_tokens=1800", "pipeline.micro_batch_tokens=2400"]
+        overrides += ["pipeline.micro_batch_tokens=2400"]
+        overrides.append("agent.max_total_tokens=1800" if "agent" in shipped else "environment.max_total_tokens=1800")
     judged = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())["reward"].get("kind") == "judge"
     if judged:  # the tiny model judges too (SmolLM2 judges itself in the recipe); it has no chat template
         overrides += [f"reward.judge.model={model}", "reward.judge.chat_template=false"]
