@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.devices import parse_device
-from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig, SamplingConfig
 from megatron_rl.config.schema_reward_model import JudgeConfig
 from megatron_rl.rollout.build import build_engine
 from megatron_rl.rollout.settings import EngineSettings
@@ -81,7 +81,7 @@ def judge_text(judge: JudgeConfig, rollout: RolloutConfig) -> EngineText:
         tensor_parallel_size=len(first.ids) if first is not None and first.kind != "cpu" else 1,
         dtype=None,
         max_batch_size=judge.batch,
-        sampling=replace(rollout.sampling, max_new_tokens=judge.max_new_tokens),
+        sampling=SamplingConfig(**{**vars(rollout.sampling), "max_new_tokens": judge.max_new_tokens}),
     )
     return build_judge_text(
         settings, temperature=judge.temperature, max_new_tokens=judge.max_new_tokens, chat_template=judge.chat_template
