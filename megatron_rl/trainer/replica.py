@@ -35,15 +35,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import WeightSync
-from megatron_rl.models import DecoderSpec, save_hf_checkpoint
+from megatron_rl.models import DecoderSpec
 from megatron_rl.parallel.world_timeout import WorldTimeout, current_timeout_s, follower_timeout
 from megatron_rl.pipeline import MicroBatch
 from megatron_rl.pipeline.records import unshare_prompts
 from megatron_rl.rollout.types import RolloutEngine
-from megatron_rl.trainer.checkpoint import RunState, finalize, staging_dir
+from megatron_rl.trainer.checkpoint import RunState, finalize, save_policy, staging_dir
 from megatron_rl.trainer.data_parallel import DispatchChannel
 from megatron_rl.trainer.engine_probe import EngineProbe, ProbeInput, measure_probe
-from megatron_rl.trainer.optimizer_state import save_optimizer_state
 from megatron_rl.trainer.policy_step import MiniBatchResult, PolicyTrainer
 from megatron_rl.trainer.policy_weights import PolicyWeights, stage_place
 from megatron_rl.trainer.stop import StopRequest
@@ -97,10 +96,13 @@ class Replica:
         channel: ReplicaChannel,
         sync: SyncSettings,
         dispatch: DispatchChannel | None = None,
+        save_merged: bool = False,
     ) -> None:
         """``sync``: the weight transport, its sender built here once; ``dispatch``: rank 0 -> the
-        other replicas' leaders (DP > 1), else None."""
+        other replicas' leaders (DP > 1), else None; ``save_merged``: a LoRA checkpoint also holds
+        the merged model (``lora.save_merged``)."""
         self.trainer, self.policy, self.spec, self.engine = trainer, policy, spec, engine
+        self.save_merged = save_merged
         self.snapshot_root, self.source_dir = Path(snapshot_root), Path(source_dir)
         self.channel, self.dispatch = channel, dispatch
         self.weights = PolicyWeights(policy, spec, source_dir)
@@ -166,11 +168,13 @@ class Replica:
         self.seconds["probe"] = self.seconds.get("probe", 0.0) + time.perf_counter() - start + probe.engine_s
 
     def save(self, path: str) -> None:
-        """Write this rank's share of a checkpoint into ``path``'s staging directory: weights and
-        optimizer state per HF parameter, so any layout can resume it (collective over the world)."""
-        staging = staging_dir(path)
-        save_hf_checkpoint(self.policy, self.spec, staging / "model", source_dir=self.source_dir)
-        save_optimizer_state(self.trainer.optimizer, self.policy, self.spec, staging / "optimizer")
+        """Write this rank's share of a checkpoint into ``path``'s staging directory: weights (LoRA:
+        the adapters, PEFT's format) and optimizer state per HF / PEFT name, so any layout can
+        resume it (``checkpoint.save_policy``; collective over the world)."""
+        staging, optimizer = staging_dir(path), self.trainer.optimizer
+        save_policy(
+            optimizer, self.policy, self.spec, staging, source_dir=self.source_dir, save_merged=self.save_merged
+        )
         if dist.get_world_size() > 1:
             dist.barrier()  # every rank's files are written
 

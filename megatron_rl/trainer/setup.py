@@ -28,11 +28,16 @@ from megatron_rl.platform import Platform
 from megatron_rl.rollout import EngineSettings, RolloutEngine, build_engine
 from megatron_rl.trainer import from_config
 from megatron_rl.trainer.build import build_policy_trainer
-from megatron_rl.trainer.checkpoint import RunState, load_optimizer, load_run_state, resolve_resume
+from megatron_rl.trainer.checkpoint import (
+    RunState,
+    load_policy_state,
+    load_run_state,
+    resolve_resume,
+    resume_policy_path,
+)
 from megatron_rl.trainer.data_parallel import DispatchChannel
 from megatron_rl.trainer.engine_probe import make_probe
 from megatron_rl.trainer.metrics import MetricsLogger
-from megatron_rl.trainer.optimizer_state import is_resharding_checkpoint, load_optimizer_state
 from megatron_rl.trainer.replica import Replica, ReplicaChannel, SyncSettings
 from megatron_rl.trainer.snapshot_root import shared_snapshot_root
 
@@ -77,6 +82,8 @@ def build_run(
         return build_engines(cfg, engine_factory, model_path=model_path, initial_version=first)
 
     replica = build_replica(cfg, layout, engine_for=engines, resume=resume)
+    if resume:  # LoRA: the engines started from the base; the merged adapted layers at version `first`
+        replica.prime_engines(first)
     if dist.get_rank() == 0:  # the engine owner probes the engines after each sync (trainer.engine_probe)
         replica.probe = make_probe(cfg, replica.engine, replay=replay is not None)
     if dist.get_rank() != 0:
@@ -133,10 +140,10 @@ def build_replica(
     """This rank's ``Replica`` of ``cfg``'s policy (resumed from ``resume``'s checkpoint when given):
     trainer, weight sender, replica channel and, at DP > 1, the dispatch channel of rank 0.
     ``engine_for(policy_path)`` builds the engines, on global rank 0 only. Collective."""
-    policy_path = str(Path(cfg.trainer.resume_from) / "model") if resume else cfg.model.hf_path
+    policy_path = resume_path(cfg) if resume else cfg.model.hf_path
     trainer, policy, spec = build_policy_trainer(from_config.trainer_settings(cfg, policy_path=policy_path))
-    if resume:
-        _load_optimizer(trainer, policy, spec, cfg.trainer.resume_from)
+    if resume:  # LoRA: the adapters of the checkpoint onto the base; then the optimizer state
+        load_policy_state(trainer.optimizer, policy, spec, cfg.trainer.resume_from)
     channel, dispatch = ReplicaChannel(), DispatchChannel() if layout.dp > 1 else None
     snapshots = _shared_snapshot_root(cfg)
     engine = engine_for(policy_path) if dist.get_rank() == 0 else None
@@ -150,16 +157,15 @@ def build_replica(
         channel=channel,
         sync=SyncSettings(weight_sync=cfg.rollout.weight_sync, bucket_mb=cfg.rollout.sync_bucket_mb),
         dispatch=dispatch,
+        save_merged=cfg.lora.rank > 0 and cfg.lora.save_merged,
     )
 
 
-def _load_optimizer(trainer, policy, spec, checkpoint: str) -> None:
-    """The optimizer state of ``checkpoint``: per HF parameter (any layout), or an older
-    checkpoint's per-rank files (the same layout only)."""
-    if is_resharding_checkpoint(Path(checkpoint) / "optimizer"):
-        load_optimizer_state(trainer.optimizer, policy, spec, Path(checkpoint) / "optimizer")
-    else:
-        load_optimizer(trainer.optimizer, checkpoint)
+def resume_path(cfg: Config) -> str:
+    """Where a resumed policy (and its engines) load their weights from: the checkpoint's
+    ``model/``, or with LoRA the base ``model.hf_path`` (its adapters are loaded on top; the
+    engines get the merged weights from the sender before they generate)."""
+    return resume_policy_path(cfg.trainer.resume_from, lora=cfg.lora.rank > 0, base_path=cfg.model.hf_path)
 
 
 def build_controller(cfg: Config, resume: RunState | None) -> GroupSizeController:
