@@ -18,6 +18,7 @@ import pytest
 from megatron_rl.config import schema
 from tests.distributed import run_distributed
 from tests.multiturn_fixtures import make_tiny_chat_model
+from tests.reward_model_fixtures import make_tiny_reward_model
 from tests.rl_fixtures import TRAIN_PLATFORM, tiny_rl_config
 
 
@@ -112,13 +113,23 @@ RUNS = {
         "environment.step_timeout_s=30",
         "lora.rank=4",  # LoRA on the policy: the lora.* leaves (at rank 0, the default, only rank is read)
     ],
+    # every reward source at once (reward.kind combined): the judge's and the reward model's leaves
+    "model_rewards": [
+        "reward.kind=combined",
+        "reward.weights={function: 1.0, judge: 0.5, model: 0.5}",
+        "reward.judge.model=<dir>/model",
+        "reward.judge.dtype=float32",
+        "reward.judge.max_new_tokens=4",
+        "reward.model.path=<dir>/reward_model",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("leaves")
-    model = make_tiny_chat_model(tmp / "model")  # a chat template, for the multi-turn run
+    model = make_tiny_chat_model(tmp / "model")  # a chat template, for the multi-turn run (and the judge)
+    make_tiny_reward_model(tmp / "reward_model")
     return str(tiny_rl_config(tmp, model, trainer={"steps": 1, "prompts_per_batch": 2}))
 
 
@@ -134,6 +145,7 @@ def test_every_leaf_is_read_by_the_run(config):
     read = set()
     for name, overrides in RUNS.items():
         overrides = [o.replace("{model}", str(Path(config).parent / "model")) for o in overrides]
+        overrides = [o.replace("<dir>", str(Path(config).parent)) for o in overrides]
         (got,) = run_distributed(_train_tracked, 1, config, overrides, timeout_s=600)
         if name == "periodic_fixed":  # the recording tells branches apart: no SAGC, no overlong here
             assert "control.sagc.candidates" not in got and "algorithm.overlong.buffer" not in got
