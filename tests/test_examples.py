@@ -64,9 +64,6 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     judged = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())["reward"].get("kind") == "judge"
     if judged:  # the tiny model judges too (SmolLM2 judges itself in the recipe); it has no chat template
         overrides += [f"reward.judge.model={model}", "reward.judge.chat_template=false"]
-    judged = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())["reward"].get("kind") == "judge"
-    if judged:  # the tiny model judges too (SmolLM2 judges itself in the recipe); it has no chat template
-        overrides += [f"reward.judge.model={model}", "reward.judge.chat_template=false"]
     if "distill" in yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text()):
         overrides.append(f"distill.teacher={model}")  # the teacher: the tiny model itself (same tokenizer)
     (history,) = run_distributed(
@@ -76,8 +73,6 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps
     if multiturn:
         assert all(h["multiturn/model_tokens"] > 0 for h in history)
-    if judged:  # every response went to the judge's engines and got a verdict, read or counted unparsed
-        assert history[-1]["reward/calls"] > 0 and "reward/failures_unparsed" in history[-1]
     if judged:  # every response went to the judge's engines and got a verdict, read or counted unparsed
         assert history[-1]["reward/calls"] > 0 and "reward/failures_unparsed" in history[-1]
     if recipe == "ppo_stale_smollm2":  # the engine probe measures every step; δ masking is on (stale samples too)

@@ -34,7 +34,7 @@ def snapshot_adapters(model: torch.nn.Module) -> AdapterSnapshot:
     """A new snapshot of ``model``'s adapters as they are now (refused on a model without adapters)."""
     adapters = list(lora_adapters(model))
     if not adapters:
-        raise ValueError("the model has no LoRA adapters to snapshot (lora.apply_lora was not run on it)")
+        raise ValueError("the model has no LoRA adapters to snapshot (apply_lora was not run on it)")
     with torch.no_grad():
         return AdapterSnapshot(
             tuple(
