@@ -64,7 +64,11 @@ def test_a_valid_distill_config_gives_the_loss_its_weight(tmp_path):
 
 
 def test_check_config_names_a_missing_teacher_checkpoint(tmp_path, capsys):
-    code = main(["check-config", str(REPO / "examples/distill_smollm2/config.yaml"), "distill.teacher=/nope/teacher"])
+    from tests.rl_fixtures import make_tiny_rl_model
+
+    model = make_tiny_rl_model(tmp_path / "model")  # the student must exist: a fresh clone has no .cache/models
+    example = str(REPO / "examples/distill_smollm2/config.yaml")
+    code = main(["check-config", example, f"model.hf_path={model}", "distill.teacher=/nope/teacher"])
     assert code == 2
     assert "distill.teacher: '/nope/teacher' is not a directory" in capsys.readouterr().err
 

@@ -61,7 +61,10 @@ def test_recipe_runs_on_a_tiny_model(recipe, request, tmp_path):
     if multiturn:  # one character a token: the tool description and the worked examples are ~1500 tokens
         overrides += ["pipeline.micro_batch_tokens=2400"]
         overrides.append("agent.max_total_tokens=1800" if "agent" in shipped else "environment.max_total_tokens=1800")
-    judged = yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text())["reward"].get("kind") == "judge"
+    judged = (
+        yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text()).get("reward", {}).get("kind")
+        == "judge"
+    )
     if judged:  # the tiny model judges too (SmolLM2 judges itself in the recipe); it has no chat template
         overrides += [f"reward.judge.model={model}", "reward.judge.chat_template=false"]
     if "distill" in yaml.safe_load((REPO / "examples" / recipe / "config.yaml").read_text()):
