@@ -24,8 +24,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from megatron_rl.lora import peft_map
 from megatron_rl.lora.apply import lora_adapters
-from megatron_rl.lora.peft_map import _adapter_tensors, load_peft_tensors
+from megatron_rl.lora.peft_map import load_peft_tensors
 from megatron_rl.models.hf_config import DecoderSpec
 from megatron_rl.models.safetensors_stream import SafetensorsStream, TensorEntry
 from megatron_rl.parallel.gather import gather_tp_to_first, host_barrier, host_group
@@ -73,7 +74,7 @@ class AdapterTensor:
 
 def adapter_tensors(model: torch.nn.Module) -> list[AdapterTensor]:
     """This PP stage's adapter tensors in a fixed order (empty for a model without adapters)."""
-    return [AdapterTensor(p, name, dim) for p, name, dim in _adapter_tensors(model)]
+    return [AdapterTensor(p, name, dim) for p, name, dim in peft_map.adapter_tensors(model)]
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

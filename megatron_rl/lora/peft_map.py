@@ -25,7 +25,7 @@ def peft_keys(part: LoraPart) -> tuple[str, str]:
     return f"{PEFT_PREFIX}{part.hf_name}.lora_A.weight", f"{PEFT_PREFIX}{part.hf_name}.lora_B.weight"
 
 
-def _adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, str, int | None]]:
+def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, str, int | None]]:
     """(parameter, PEFT name, the dim TP splits it along or None: replicated) of every adapter tensor."""
     for adapter in lora_adapters(model):
         dims = (None, 0) if adapter.parallel == "column" else (1, None)
@@ -38,7 +38,7 @@ def load_peft_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor
     adapters (every adapter of this PP stage must find its two tensors)."""
     shard = shard_info(model)
     with torch.no_grad():
-        for param, key, dim in _adapter_tensors(model):
+        for param, key, dim in adapter_tensors(model):
             if key not in tensors:
                 raise KeyError(f"PEFT tensors have no {key!r}")
             value = tensors[key] if dim is None else tensors[key].chunk(shard.tp_size, dim=dim)[shard.tp_rank]
@@ -55,7 +55,7 @@ def iter_peft_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (PEFT name, full tensor) for each adapter tensor of this PP stage, its gradient when
     ``grad``; ``gather_tp`` all-gathers a shard over the TP group (every TP rank must call)."""
-    for param, key, dim in _adapter_tensors(model):
+    for param, key, dim in adapter_tensors(model):
         value = param.grad if grad else param
         if value is None:
             raise ValueError(f"{key} has no gradient")
