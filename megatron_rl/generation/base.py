@@ -116,9 +116,13 @@ class Trajectory:
     turn_prompt_tokens: int = 0  # sum over its turns of each turn's prompt length (multi-turn)
     cached_tokens: int | None = None  # of those, served by the engine's prefix cache (None: not reported)
     routed_experts: RoutedExperts | None = None  # MoE routes of the forwarded tokens (single-turn)
+    token_versions: tuple[int, ...] | None = None  # [Lr] in-flight updates: each token's version; None: turn_versions
 
     def __post_init__(self) -> None:
-        assert len(set(self.turn_versions)) == 1, (self.request_id, self.turn_versions)
+        assert self.token_versions is not None or len(set(self.turn_versions)) == 1, (
+            self.request_id,
+            self.turn_versions,
+        )
         assert self.loss_mask is None or len(self.loss_mask) == len(self.response_ids)
         assert len(self.response_ids) == len(self.behav_logprobs)
 

@@ -28,7 +28,7 @@ import torch
 
 from megatron_rl.attention.packing import PackedMicroBatch, TokenGroup, concat_groups, greedy_chunks, pack_group
 from megatron_rl.generation.base import PromptItem, Trajectory
-from megatron_rl.rollout.types import RoutedExperts
+from megatron_rl.rollout.types import RoutedExperts, check_token_versions
 
 
 class PipelineError(RuntimeError):
@@ -74,8 +74,12 @@ class Sample:
     routed_experts: RoutedExperts | None = None  # MoE: experts of the Lp + Lr - 1 forwarded tokens (routing replay)
     # On-policy distillation (pipeline.teacher): [Lr] log pi_teacher of each response token; None: not scored
     teacher_logprobs: tuple[float, ...] | None = None
+    # In-flight weight updates: [Lr] the version that sampled each response token (observation
+    # tokens carry their turn's); None: every token at weight_version
+    token_versions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        check_token_versions(self.request_id, self.token_versions, len(self.response_ids), self.weight_version)
         if not self.response_ids:
             raise ValueError(f"request {self.request_id!r}: the engine returned an empty response")
         if self.loss_mask is not None and (
@@ -123,6 +127,7 @@ def sample_from(trajectory: Trajectory, item: PromptItem, reward: float) -> Samp
         turn_prompt_tokens=trajectory.turn_prompt_tokens,
         cached_tokens=trajectory.cached_tokens,
         routed_experts=trajectory.routed_experts,
+        token_versions=trajectory.token_versions,
     )
 
 

@@ -84,9 +84,31 @@ class GenerationResult:
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # log pi_behav(token) at the sampling temperature, one per response token
     finish_reason: Literal["stop", "length"]
-    weight_version: int  # version of the weights every token was sampled with
+    weight_version: int  # version of the weights every token was sampled with (in-flight: the first token's)
     routed_experts: RoutedExperts | None = None  # MoE routes of the forwarded tokens, when asked for
     cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served (None: not reported)
+    # In-flight weight updates (rollout.in_flight_updates): the version that sampled each response
+    # token, non-decreasing from weight_version; None: every token at weight_version
+    token_versions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_token_versions(self.request_id, self.token_versions, len(self.response_ids), self.weight_version)
+
+
+def check_token_versions(request_id: str, versions: tuple[int, ...] | None, length: int, first: int) -> None:
+    """Raise unless ``versions`` is None or one non-decreasing version per response token
+    starting at ``first``."""
+    if versions is None:
+        return
+    if (
+        len(versions) != length
+        or versions[0] != first
+        or any(b < a for a, b in zip(versions, versions[1:], strict=False))
+    ):
+        raise ValueError(
+            f"request {request_id!r}: token_versions must hold one non-decreasing version per response "
+            f"token ({length}) starting at weight_version {first}; got {versions[:8]}..."
+        )
 
 
 @runtime_checkable
