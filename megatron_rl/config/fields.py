@@ -24,7 +24,7 @@ Found = Iterator[tuple[str, str]]  # (dotted key, message) pairs yielded by a ch
 # fmt: off
 POSITIVE = (
     "model.make_vocab_size_divisible_by", "parallel.tp", "parallel.pp", "parallel.dp", "parallel.timeout_s",
-    "parallel.ep",
+    "parallel.ep", "parallel.cp",
     "rollout.num_engines", "rollout.tensor_parallel_size", "rollout.max_batch_size",
     "rollout.sampling.max_new_tokens", "rollout.sampling.temperature", "pipeline.queue_size",
     "pipeline.micro_batch_tokens", "control.group_size", "data.size", "data.max_prompt_tokens",

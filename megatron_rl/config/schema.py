@@ -84,7 +84,10 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel size; divides heads, KV heads and FFN width
     pp: int = 1  # pipeline-parallel size; divides the number of layers
-    dp: int | None = None  # data-parallel size; None = world size / (tp × pp)
+    # context-parallel size: each CP rank holds a load-balanced slice of every packed micro-batch
+    # and all-gathers K / V per layer; world = tp × pp × cp × dp
+    cp: int = 1
+    dp: int | None = None  # data-parallel size; None = world size / (tp × pp × cp)
     ep: int = 1  # expert-parallel size (MoE models): splits the routed experts; divides num_experts and dp
     distributed_optimizer: bool = False  # shard optimizer state across DP ranks (megatron)
     # How long a rank may wait for the rest of the world, generation included: rank 0 for the
