@@ -10,18 +10,17 @@ on the right, so a padded row's logit is the unpadded one (the causal mask keeps
 
 Failures: a batch running longer than ``timeout_s`` (reward.timeout_s) has its worker killed and
 replaced; its calls score 0, counted as ``timeout``. A worker that dies mid-batch (killed from
-outside, the OOM killer) is replaced and the batch sent once more to the new worker; if that
-one dies too, the calls score 0, counted as ``crashed``. Every call is answered exactly once. An
-exception in the model's forward is counted as ``raised`` for each call of the batch. A worker
-that cannot load the model stops the run (``RuntimeError`` naming reward.model.path).
+outside, the OOM killer) is replaced and the batch sent once more to the new worker
+(``process_worker.ProcessWorker``); if that one dies too, the calls score 0, counted as
+``crashed``. Every call is answered exactly once. An exception in the model's forward is counted
+as ``raised`` for each call of the batch. A worker that cannot load the model stops the run
+(``RuntimeError`` naming reward.model.path).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,8 @@ from megatron_rl.config.devices import parse_device
 from megatron_rl.config.resources import find_dotted
 from megatron_rl.config.schema_reward_model import RewardModelConfig
 from megatron_rl.data.records import PromptRecord
-from megatron_rl.rewards.batched import Answer, BatchedReward, Call
+from megatron_rl.rewards.batched import BatchedReward, Call
+from megatron_rl.rewards.process_worker import Answer, ProcessWorker, WorkerSetup, serve
 
 CLASSIFIER = "megatron_rl.rewards.model_reward:SequenceClassifier"
 
@@ -99,89 +99,31 @@ class SequenceClassifier:
 
 
 def _worker_main(setup: ScorerSetup, conn) -> None:
-    """A worker process: build the scorer, then answer batches until None / EOF."""
-    try:
-        cls, why = find_dotted(setup.scorer)
-        if why:
-            raise ImportError(why)
-        scorer = cls(setup)
-    except Exception as err:  # reported to the parent, which stops the run with it
-        conn.send(("failed", f"{type(err).__name__}: {err}", traceback.format_exc()))
-        return
-    conn.send(("ready", None, ""))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message is None:
-            return
-        records, texts = message
-        try:
-            conn.send(("value", scorer.score(records, texts), ""))
-        except Exception as err:  # counted as "raised" for each call of the batch
-            conn.send(("raised", f"{type(err).__name__}: {err}", traceback.format_exc()))
+    """A worker process: build the scorer, then answer batches (``process_worker.serve``)."""
+    serve(conn, lambda: _handler(setup))
 
 
-class _ModelWorker:
-    """One worker process and its pipe; started on first use and again after a kill."""
+def _handler(setup: ScorerSetup) -> Callable[[tuple[list[PromptRecord], list[str]]], Answer]:
+    """The scorer of ``setup`` as a batch handler: ``("value", [floats], "")``."""
+    cls, why = find_dotted(setup.scorer)
+    if why:
+        raise ImportError(why)
+    scorer = cls(setup)
+    return lambda message: ("value", scorer.score(*message), "")
 
-    def __init__(self, setup: ScorerSetup, start_timeout_s: float) -> None:
-        self.setup, self.start_timeout_s = setup, start_timeout_s
-        self.proc: Any = None
-        self.conn: Any = None
-        self.starts = 0
 
-    def call(self, calls: Sequence[Call], timeout_s: float | None) -> Answer:
-        """Score one batch: ``("value", [floats], "")``, or a failure kind for the whole batch."""
-        self.start()
-        try:
-            self.conn.send(([c.record for c in calls], [c.text for c in calls]))
-            if not self.conn.poll(timeout_s):
-                self.kill()
-                return ("timeout", f"no scores after {timeout_s} s (reward.timeout_s); worker killed", "")
-            return self.conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            code = self.proc.exitcode if self.proc is not None else None
-            self.kill()
-            return ("crashed", f"the reward-model worker died (exit code {code}); replaced", "")
-
-    def start(self) -> None:
-        """Start the process and wait for the model to load (no-op while it runs)."""
-        if self.proc is not None:
-            return
-        ctx = mp.get_context("spawn")  # the trainer holds threads: never fork it
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(self.setup, child), name="megatron_rl-reward-model")
-        self.proc.daemon = True
-        self.proc.start()
-        child.close()
-        self.starts += 1
-        ready = self.conn.poll(self.start_timeout_s)
-        kind, message, trace = self.conn.recv() if ready else ("failed", "not ready in time", "")
-        if kind != "ready":
-            self.kill()
-            raise RuntimeError(
-                f"reward.model.path {self.setup.path!r}: the reward-model worker on {self.setup.device!r} "
-                f"could not load it ({message})\n{trace}"
-            )
-
-    def kill(self) -> None:
-        """End the process now; the next call starts a fresh one."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.join()
-            self.conn.close()
-        self.proc = self.conn = None
-
-    def close(self) -> None:
-        if self.proc is not None:
-            try:
-                self.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(5.0)
-        self.kill()
+def _worker(setup: ScorerSetup, start_timeout_s: float) -> ProcessWorker:
+    """A reward-model worker: a ``spawn``ed process (the trainer holds threads: never fork it)."""
+    return ProcessWorker(
+        WorkerSetup(
+            target=_worker_main,
+            arg=setup,
+            context="spawn",
+            name="megatron_rl-reward-model",
+            what=f"reward.model.path {setup.path!r}: the reward-model worker on {setup.device!r}",
+            start_timeout_s=start_timeout_s,
+        )
+    )
 
 
 class RewardModelReward(BatchedReward):
@@ -202,9 +144,7 @@ class RewardModelReward(BatchedReward):
             raise ValueError("reward.model.devices: give one device string per worker, e.g. ['cpu']")
         super().__init__(name="model", timeout_s=timeout_s, batch=settings.batch, lanes=len(settings.devices))
         self.workers = [
-            _ModelWorker(
-                ScorerSetup(path=settings.path, device=d, dtype=settings.dtype, scorer=scorer), start_timeout_s
-            )
+            _worker(ScorerSetup(path=settings.path, device=d, dtype=settings.dtype, scorer=scorer), start_timeout_s)
             for d in settings.devices
         ]
         for worker in self.workers:  # load now: a bad checkpoint fails before the first rollout
@@ -213,9 +153,10 @@ class RewardModelReward(BatchedReward):
 
     def _score_batch(self, lane: int, calls: Sequence[Call]) -> list[Answer]:
         worker = self.workers[lane]
-        answer = worker.call(calls, self.timeout_s)
+        message = ([c.record for c in calls], [c.text for c in calls])
+        answer = worker.call(message, self.timeout_s)
         if answer[0] == "crashed":  # once more, on the replacement (see module doc)
-            answer = worker.call(calls, self.timeout_s)
+            answer = worker.call(message, self.timeout_s)
         kind, value, trace = answer
         if kind != "value":
             return [(kind, value, trace)] * len(calls)

@@ -18,7 +18,7 @@ stepped between commands: vLLM), `backends/` (the engines a worker runs: `hf`, `
 engine host; its command is `megatron_rl.cli.serve`), `faults` (seeded fault injection for
 chaos runs), `engine_wrapper` (the base of engines wrapping another), and the records:
 `settings`, `types`, `scoring` (score requests and results), `sampling`, `feed` (requests
-arriving during a call).
+arriving during a call), and `text` (text in, text out over an engine: what an LLM judge runs on).
 """
 
 from megatron_rl.rollout.build import build_engine
