@@ -5,12 +5,14 @@ the batching: calls queued while a batch is out go together in the next one, eac
 once; an unreadable verdict scores 0 counted as ``unparsed``. A greedy hf judge engine on a
 tiny model gives the verdicts transformers' own greedy ``generate`` gives. A judge engine killed
 mid-batch (the rollout pool's restart) answers every call once, with the verdicts of a run
-without the kill.
+without the kill. A judge engine slower than reward.timeout_s scores its batch 0, counted as
+``timeout``, within reward.timeout_s rather than the engine's own rollout.request_timeout_s.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -174,17 +176,18 @@ def test_greedy_hf_judge_engine_gives_transformers_verdicts(tiny_judge):
     assert judge.stats().failures["unparsed"] == sum(parse_last_number(v) is None for v in want)
 
 
-def echo_judge(tmp_path, **env):
+def echo_judge(tmp_path, *, timeout_s=30, request_timeout_s=60, **env):
     from megatron_rl.models.synthetic import char_tokenizer
     from megatron_rl.rollout import SamplingSettings, WorkerPool
     from megatron_rl.rollout.text import EngineText
     from tests.rollout_faults import echo_specs
 
-    pool = WorkerPool(echo_specs(tmp_path, 2, **env), max_batch_size=2, request_timeout_s=60, start_timeout_s=120)
+    specs = echo_specs(tmp_path, 2, **env)
+    pool = WorkerPool(specs, max_batch_size=2, request_timeout_s=request_timeout_s, start_timeout_s=120)
     backend = EngineText(
         pool, char_tokenizer(), SamplingSettings(temperature=0, max_new_tokens=6), chat_template=False, prefix="judge"
     )
-    return JudgeReward(backend, JudgeConfig(parser="last_number", batch=8), timeout_s=30), pool
+    return JudgeReward(backend, JudgeConfig(parser="last_number", batch=8), timeout_s=timeout_s), pool
 
 
 @pytest.mark.slow
@@ -206,3 +209,35 @@ def test_a_judge_engine_killed_mid_batch_answers_every_call_once(tmp_path):
     assert sum(w.restarts for w in status) == 1 and sum(w.restarts for w in plain_status) == 0
     assert killed == plain and killed_stats.calls == plain_stats.calls == len(CALLS)
     assert killed_stats.failures == plain_stats.failures
+
+
+def echo_verdict_scores(backend, calls):
+    """The echo engine's verdicts written out: its response to each rendered prompt, decoded and parsed."""
+    from tests.rollout_faults import echo_response
+
+    settings = JudgeConfig(parser="last_number")
+    prompts = [render(settings.template, r, t, settings.rubric) for r, t in calls]
+    texts = [backend.tokenizer.decode(echo_response(backend.encode(p), 6)) for p in prompts]
+    return [parse_last_number(t) or 0.0 for t in texts]
+
+
+def test_a_slow_judge_engine_is_bounded_by_reward_timeout_s(tmp_path):
+    (tmp_path / "once").mkdir()
+    hang = {"FAULT_HANG_ON": "judge:0", "FAULT_ONCE_DIR": str(tmp_path / "once")}  # the first request hangs once
+    judge, pool = echo_judge(tmp_path, timeout_s=2.0, request_timeout_s=12, **hang)
+    try:
+        start = time.monotonic()
+        first = [f.result(timeout=60) for f in [judge.submit(r, t) for r, t in CALLS]]
+        waited = time.monotonic() - start
+        stats = judge.stats()
+        while any(t.name == "megatron_rl-judge-call" for t in threading.enumerate()):  # the abandoned call ends
+            assert time.monotonic() - start < 120, "the abandoned judge call never finished"
+            time.sleep(0.2)
+        second = [f.result(timeout=60) for f in [judge.submit(r, t) for r, t in CALLS]]
+        after = judge.stats()
+    finally:
+        judge.close()
+    assert waited < 8, f"the judge's batch was waited for {waited:.1f} s, past reward.timeout_s=2"
+    assert first == [0.0] * len(CALLS) and stats.failures["timeout"] == len(CALLS) == stats.failed
+    assert second == echo_verdict_scores(judge.backend, CALLS) and after.failures["timeout"] == len(CALLS)
+    assert after.calls == 2 * len(CALLS) and sum(w.restarts for w in pool.status()) == 1

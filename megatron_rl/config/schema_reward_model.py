@@ -31,8 +31,9 @@ DEFAULT_JUDGE_TEMPLATE = (
 class JudgeConfig:
     """An LLM judge: each response is put in ``template``, its own engines generate a verdict
     (greedy by default), ``parser`` reads the score from it; a verdict without one scores 0
-    (counted as ``unparsed``). Its engines are supervised like the rollout engines
-    (rollout.request_timeout_s, rollout.max_restarts)."""
+    (counted as ``unparsed``), so does a batch not answered within reward.timeout_s (``timeout``).
+    Its engines are supervised like the rollout engines (rollout.request_timeout_s finds a hung
+    worker, rollout.max_restarts)."""
 
     model: str | None = None  # HF checkpoint dir of the judge (required when the judge is used)
     # The judge's prompt; placeholders {question} (the task), {response} (the answer judged),

@@ -11,12 +11,19 @@ number or None). A verdict the parser cannot read scores 0 and is counted as ``u
 ``rollout.text.EngineText`` over judge engines of their own (``build_engine``), supervised like
 the rollout engines, so a worker killed mid-batch is restarted and its requests re-issued: every
 call is answered once. An engine out of restarts raises, and the run stops with that error.
+
+A batch is waited for at most ``timeout_s`` (reward.timeout_s, like any reward call; the engines'
+own rollout.request_timeout_s only finds hung workers): past it, each of its calls scores 0,
+counted as ``timeout``, and the lane moves on. The abandoned ``complete`` finishes on a thread
+of its own (the engines cannot drop requests mid-call); the next batch's wait includes it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 from megatron_rl.config.resources import find_dotted
@@ -103,7 +110,11 @@ class JudgeReward(BatchedReward):
 
     def _score_batch(self, lane: int, calls: Sequence[Call]) -> list[Answer]:
         s = self.settings
-        verdicts = self.backend.complete([render(s.template, c.record, c.text, s.rubric) for c in calls])
+        prompts = [render(s.template, c.record, c.text, s.rubric) for c in calls]
+        verdicts = bounded_call(self.backend.complete, prompts, timeout_s=self.timeout_s)
+        if verdicts is None:
+            why = f"no verdict after {self.timeout_s} s (reward.timeout_s); the judge's batch was abandoned"
+            return [("timeout", why, "")] * len(calls)
         return [self._verdict(v) for v in verdicts]
 
     def _verdict(self, verdict: str) -> Answer:
@@ -117,3 +128,25 @@ class JudgeReward(BatchedReward):
 
     def _release(self) -> None:
         self.backend.shutdown()
+
+
+def bounded_call(
+    fn: Callable[[list[str]], list[str]], prompts: list[str], *, timeout_s: float | None
+) -> list[str] | None:
+    """``fn(prompts)`` on a daemon thread, waited for ``timeout_s`` (None: no bound); None past it.
+    An exception of ``fn`` is raised here (an engine out of restarts stops the run)."""
+    if timeout_s is None:
+        return fn(prompts)
+    done: Future[list[str]] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(prompts))
+        except BaseException as err:  # handed to the waiting lane
+            done.set_exception(err)
+
+    threading.Thread(target=run, name="megatron_rl-judge-call", daemon=True).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except TimeoutError:
+        return None
