@@ -74,6 +74,8 @@ class LiveTrajectory:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # the version that sampled each response token; an observation carries its turn's last
+    token_versions: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     truncated: bool = False
     reward: float | None = None
@@ -95,6 +97,8 @@ class LiveTrajectory:
             loss_mask=tuple(self.mask),
             behav_logprobs=tuple(self.logprobs),
             turn_versions=tuple(self.versions),
+            # None while one version sampled everything (the records' default)
+            token_versions=tuple(self.token_versions) if len(set(self.token_versions)) > 1 else None,
             finish_reason=self.finish_reason,
             truncated=self.truncated,
             reward=self.reward,
@@ -199,6 +203,7 @@ class TurnLoop:
         traj.mask += [1] * len(result.response_ids)
         traj.logprobs += result.logprobs
         traj.versions.append(result.weight_version)
+        traj.token_versions += result.token_versions or (result.weight_version,) * len(result.response_ids)
         traj.finish_reason = result.finish_reason
         traj.turn_prompt_tokens += len(result.prompt_ids)
         if result.cached_tokens is not None:
@@ -235,6 +240,7 @@ class TurnLoop:
         traj.ids += obs
         traj.mask += [0] * len(obs)
         traj.logprobs += [0.0] * len(obs)
+        traj.token_versions += [traj.token_versions[-1]] * len(obs)
         self._submit_turn(feed, traj)
         return False
 

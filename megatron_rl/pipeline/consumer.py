@@ -122,7 +122,11 @@ def summarize(
         policy_version=batch.policy_version,
         new_version=new_version,
         end=batch.finish(),
-        staleness=staleness_stats([s.weight_version for s in kept], batch.policy_version),
+        staleness=staleness_stats(
+            [s.weight_version for s in kept],
+            batch.policy_version,
+            token_versions=[s.versions_per_token for s in kept],
+        ),
         num_micro_batches=batch.num_micro_batches,
         overlapped_micro_batches=batch.overlapped_micro_batches,
         trained_groups=len(kept_groups),

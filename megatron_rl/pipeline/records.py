@@ -57,7 +57,7 @@ class Sample:
     prompt_ids: tuple[int, ...]  # [Lp]
     response_ids: tuple[int, ...]  # [Lr], Lr >= 1
     behav_logprobs: tuple[float, ...]  # [Lr] log pi_behav of each response token
-    weight_version: int  # policy version that generated every token
+    weight_version: int  # policy version that generated the first token (every token unless token_versions)
     finish_reason: Literal["stop", "length"]
     reward: float  # task reward from the reward function (before overlong shaping)
     # Multi-turn trajectories (generation.multi_turn): the response holds model turns and the
@@ -77,6 +77,14 @@ class Sample:
     # In-flight weight updates: [Lr] the version that sampled each response token (observation
     # tokens carry their turn's); None: every token at weight_version
     token_versions: tuple[int, ...] | None = None
+
+    @property
+    def versions_per_token(self) -> tuple[int, ...]:
+        """``[Lr]`` the version that sampled each response token (``weight_version`` throughout
+        when ``token_versions`` is None)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return (self.weight_version,) * len(self.response_ids)
 
     def __post_init__(self) -> None:
         check_token_versions(self.request_id, self.token_versions, len(self.response_ids), self.weight_version)
@@ -199,12 +207,15 @@ class MicroBatch:
     packed: PackedMicroBatch
     advantages: torch.Tensor  # [R] float32
     behav_logprobs: torch.Tensor  # [N] float32
-    versions: torch.Tensor  # [R] int64, weight version that generated each response
+    versions: torch.Tensor  # [R] int64, weight version of each response's first token (its oldest)
     replica: int = 0  # DP replica that trains it (``pipeline.dispatch``)
     # [N] bool, True = model token; None: every response token is (single-turn). Observation
     # tokens of multi-turn trajectories are False: no policy term, KL, entropy or mismatch there.
     loss_mask: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None  # [N] float32 log pi_teacher (distillation); None: no teacher
+    # [N] int64, the version that sampled each response token (in-flight weight updates make it
+    # vary inside a response); None: each response's ``versions`` entry over its tokens
+    per_token_versions: torch.Tensor | None = None
 
     @property
     def token_advantages(self) -> torch.Tensor:
@@ -213,13 +224,21 @@ class MicroBatch:
 
     @property
     def token_versions(self) -> torch.Tensor:
-        """``[N]`` int64: the generating version of every response token."""
+        """``[N]`` int64: the version that sampled every response token."""
+        if self.per_token_versions is not None:
+            return self.per_token_versions
         return self._per_token(self.versions)
 
     @property
     def staleness(self) -> torch.Tensor:
-        """``[R]`` int64: policy_version - generating version (0 = on-policy)."""
+        """``[R]`` int64: policy_version - the version of each response's first token (its largest
+        staleness; 0 = on-policy)."""
         return self.policy_version - self.versions
+
+    @property
+    def token_staleness(self) -> torch.Tensor:
+        """``[N]`` int64: policy_version - the version that sampled each response token."""
+        return self.policy_version - self.token_versions
 
     def _per_token(self, per_response: torch.Tensor) -> torch.Tensor:
         lens = torch.tensor(self.packed.response_lens, dtype=torch.int64).to(per_response.device)
@@ -234,6 +253,9 @@ class MicroBatch:
             advantages=self.advantages.to(device, non_blocking=True),
             behav_logprobs=self.behav_logprobs.to(device, non_blocking=True),
             versions=self.versions.to(device, non_blocking=True),
+            per_token_versions=None
+            if self.per_token_versions is None
+            else self.per_token_versions.to(device, non_blocking=True),
             loss_mask=None if self.loss_mask is None else self.loss_mask.to(device, non_blocking=True),
             teacher_logprobs=None
             if self.teacher_logprobs is None
@@ -288,6 +310,8 @@ def make_micro_batch(
     if len(steps) != 1:
         raise ValueError(f"a micro-batch mixes steps {sorted(steps)}")
     samples = [s for g in groups for s in g.samples]
+    if late := [s.request_id for s in samples if s.versions_per_token[-1] > policy_version]:
+        raise ValueError(f"request {late[0]!r} has tokens newer than the policy version {policy_version} training it")
     return MicroBatch(
         step=groups[0].step,
         policy_version=policy_version,
@@ -300,6 +324,7 @@ def make_micro_batch(
         replica=replica,
         loss_mask=_loss_mask(samples),
         teacher_logprobs=_teacher_logprobs(samples),
+        per_token_versions=torch.tensor([v for s in samples for v in s.versions_per_token], dtype=torch.int64),
     )
 
 

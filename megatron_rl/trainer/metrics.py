@@ -75,6 +75,8 @@ def rollout_metrics(summary: BatchSummary, *, step_s: float) -> dict[str, float]
         "rollout/response_len_median": float(statistics.median(lengths)),
         "rollout/staleness_max": float(s.staleness.max),
         "rollout/staleness_mean": s.staleness.mean,
+        "rollout/staleness_token_mean": s.staleness.token_mean,  # each token's own (in-flight updates)
+        "rollout/mixed_version_samples": float(s.staleness.mixed_samples),
         "time/step_s": step_s,
         "time/queue_wait_s": s.wait_s,
         "time/generation_s": end.generation_s,
@@ -211,10 +213,12 @@ def peak_memory_gb() -> float:
 
 class EngineBusy:
     """``busy/engine_<i>``: the share of each step's wall time engine i had work (generation or
-    weight loads), from the pool's per-worker busy clocks; nothing for engines without them."""
+    weight loads), from the pool's per-worker busy clocks; nothing for engines without them.
+    With in-flight updates also the pool's ``partial/*`` counters since the previous step."""
 
     def __init__(self, engine: object) -> None:
         self._clock = getattr(engine, "busy_seconds", None)
+        self._partial = getattr(engine, "partial_metrics", None)  # rollout.in_flight: {} when off
         self._last = self._read()
 
     def _read(self) -> tuple[float, ...]:
@@ -228,7 +232,7 @@ class EngineBusy:
             for i, (a, b) in enumerate(zip(self._last, now, strict=False))
         }
         self._last = now
-        return out
+        return out | (self._partial() if callable(self._partial) else {})
 
 
 def count_devices(world_size: int, engine_devices: Sequence[str], num_engines: int) -> int:

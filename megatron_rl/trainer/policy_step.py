@@ -106,7 +106,7 @@ class PolicyTrainer:
             behav_logp=behav,
             # the engine is compared with θ_t: the old copy, or the policy before the first step
             compare_engine=not lp.old_is_policy or mb.mini_batch == 0,
-            versions=mb.versions[:, None].expand_as(mask),
+            versions=pad_responses(mb.token_versions, packed, pad_value=mb.policy_version),  # each token's own
             current_version=mb.policy_version,
             entropy=entropy,
             teacher_logp=teacher,  # on-policy distillation (algorithms.distill)
