@@ -73,6 +73,7 @@ class SingleTurnGenerator:
             finish_reason=result.finish_reason,
             last_text=self._detokenize(result.response_ids),
             routed_experts=result.routed_experts,
+            token_versions=result.token_versions,
         )
 
     def overlong_lengths(self, samples: Sequence[MeasuredSample], max_len: int) -> OverlongLengths:

@@ -18,6 +18,10 @@ Contract:
   another node (``rollout.remote``).
 - ``stream_results`` is the same over a ``RequestFeed`` (multi-turn): requests join while
   others decode, and the wait covers the feed's handle, so a new turn is dispatched at once.
+- Abort (``AbortRequests``, ``WorkerPool.abort``): at each wake-up the ids asked for since the
+  last are applied: a request not yet sent is answered here (a ``"abort"`` result, no token),
+  one on a worker is sent an ``Abort`` (the worker answers it), one already answered is
+  ignored; every request is still answered exactly once.
 - Whatever happens, ``drain`` runs before the call returns: no command of this call is
   left outstanding, and workers that died are left for the next call to restart.
 """
@@ -25,14 +29,15 @@ Contract:
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerHandle
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
-from megatron_rl.rollout.worker import Done, Failed, Generate, Loaded, Result
+from megatron_rl.rollout.worker import Abort, Done, Failed, Generate, Loaded, Result, aborted_result
 
 # Generate commands queued per worker: while it decodes one chunk the next is already in its
 # pipe, so it never idles waiting for the parent (whose producer thread shares a core and the
@@ -40,16 +45,37 @@ from megatron_rl.rollout.worker import Done, Failed, Generate, Loaded, Result
 PREFETCH = 2
 
 
+class AbortRequests:
+    """Request ids to abort, handed from any thread to the call in progress (module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked: set[str] = set()
+
+    def add(self, request_ids: Iterable[str]) -> None:
+        """Ask for ``request_ids`` to be aborted at the call's next wake-up."""
+        with self._lock:
+            self._asked.update(request_ids)
+
+    def take(self) -> set[str]:
+        """The ids asked for since the last ``take`` (cleared)."""
+        with self._lock:
+            taken, self._asked = self._asked, set()
+            return taken
+
+
 def generate_results(
-    sup: Supervisor, requests: list[GenerationRequest], *, max_batch_size: int
+    sup: Supervisor, requests: list[GenerationRequest], *, max_batch_size: int, aborts: AbortRequests | None = None
 ) -> Iterator[GenerationResult]:
     """Yield one result per request of ``requests`` (ids unique), in completion order."""
     call = _Call(pending=deque(requests))
     chunk = max(1, min(max_batch_size, math.ceil(len(requests) / len(sup.workers))))
     try:
         while len(call.answered) < len(requests):
+            yield from _abort(sup, call, aborts)
             _dispatch(sup.workers, call.pending, chunk)
-            yield from _events(sup, call, ())
+            if any(w.busy for w in sup.workers):
+                yield from _events(sup, call, ())
     finally:
         drain(sup)
 
@@ -83,6 +109,28 @@ class _Call:
     pending: deque
     answered: set[str] = field(default_factory=set)
     deaths: int = 0
+    aborting: set[str] = field(default_factory=set)  # asked to abort, not answered yet
+    abort_sent: set[str] = field(default_factory=set)  # of those, sent to a worker as an Abort
+
+
+def _abort(sup: Supervisor, call: _Call, aborts: AbortRequests | None) -> Iterator[GenerationResult]:
+    """Apply the aborts asked for so far (module doc); yield the pending requests' answers."""
+    if aborts is not None:
+        call.aborting |= aborts.take()
+    call.aborting -= call.answered
+    if not call.aborting:
+        return
+    kept = [r for r in call.pending if r.request_id not in call.aborting]
+    for r in [r for r in call.pending if r.request_id in call.aborting]:
+        call.answered.add(r.request_id)
+        yield aborted_result(r, sup.version)
+    call.pending.clear()
+    call.pending.extend(kept)
+    for w in sup.workers:
+        ids = tuple(rid for rid in w.in_flight if rid in call.aborting and rid not in call.abort_sent)
+        if ids:
+            call.abort_sent.update(ids)
+            w.sender.send(Abort(ids))
 
 
 def _events(sup: Supervisor, call: _Call, extra: tuple) -> Iterator[GenerationResult]:

@@ -13,6 +13,9 @@
 Contract:
 - ``generate`` yields one result per request, in completion order; a Python exception
   inside a worker is raised here as ``RolloutWorkerError`` naming the worker and requests.
+- ``abort(request_ids)``: ends those requests of the ``generate`` call in progress that are still
+  queued or running (DAPO over-sampling's surplus): each is answered once, by its own result if it
+  finished first, else by one whose ``finish_reason`` is ``"abort"`` (``rollout.dispatch``).
 - ``generate_stream(feed)`` is ``generate`` over a ``rollout.feed.RequestFeed`` whose requests
   arrive while it runs (multi-turn rollouts); same guarantees, one weight version throughout.
 - ``load_weights(update, version)`` returns once every worker runs the new version; results
@@ -32,10 +35,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.rollout.dispatch import generate_results, stream_results
+from megatron_rl.rollout.dispatch import AbortRequests, generate_results, stream_results
 from megatron_rl.rollout.feed import RequestFeed
 from megatron_rl.rollout.score_dispatch import score_results
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, check_unique, in_request_order
@@ -81,6 +84,7 @@ class WorkerPool:
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()
         self._active: int | None = None  # thread id of the generate() iteration in progress
+        self._aborts = AbortRequests()  # abort(): ids for the generate() call in progress
         self._finalizer = weakref.finalize(self, stop_supervised, self._sup)
         try:
             self._sup.start_all()
@@ -112,6 +116,11 @@ class WorkerPool:
                 raise ValueError(f"requests: request {r.request_id!r} has an empty prompt")
         self._check_idle("generate")
         return self._generate(list(requests))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End these requests of the ``generate`` call in progress (module doc); ids not in flight
+        are ignored. Applied at the call's next wake-up: at once from the thread iterating it."""
+        self._aborts.add(request_ids)
 
     def generate_stream(self, feed: RequestFeed) -> Iterator[GenerationResult]:
         """Yield one result per request put on ``feed`` (``rollout.feed``), in completion order,
@@ -150,7 +159,10 @@ class WorkerPool:
                 if isinstance(requests, RequestFeed):
                     yield from stream_results(self._sup, requests, max_batch_size=self._max_batch_size)
                 else:
-                    yield from generate_results(self._sup, requests, max_batch_size=self._max_batch_size)
+                    self._aborts.take()  # asked before this call: nothing of it to abort
+                    yield from generate_results(
+                        self._sup, requests, max_batch_size=self._max_batch_size, aborts=self._aborts
+                    )
             finally:
                 self._active = None
 

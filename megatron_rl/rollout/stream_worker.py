@@ -12,7 +12,10 @@ the next: a turn submitted while a long chunk decodes waits for the whole chunk.
   (the pool matches them by their ids);
 - Receive and Score commands run only with the engine idle (the pool never sends them while a
   Generate is outstanding; one that does arrive waits until the batch has drained);
-- an engine error fails every command in flight (one ``Failed`` each) and aborts its requests.
+- an engine error fails every command in flight (one ``Failed`` each) and aborts its requests;
+- an ``Abort(ids)`` is handled as soon as it is read (between steps): the backend drops those
+  still running or waiting (``abort``) and each is answered by its ``"abort"`` result, then its
+  command's Done if that was its last request; an id already answered is ignored.
 
 Each request carries its own seed (``SamplingSettings.seed``): a sample does not depend on what
 else is in the batch, nor on when it joined.
@@ -26,7 +29,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
-from megatron_rl.rollout.worker import Done, Failed, Generate, Result, Stop, WorkerBackend, handle_command
+from megatron_rl.rollout.worker import Abort, Done, Failed, Generate, Result, Stop, WorkerBackend, handle_command
 
 
 class StreamingBackend(WorkerBackend, Protocol):
@@ -46,6 +49,10 @@ class StreamingBackend(WorkerBackend, Protocol):
 
     def abort_all(self) -> None:
         """Drop every unfinished request (after an error)."""
+        ...
+
+    def abort(self, request_ids: set[str]) -> list[GenerationResult]:
+        """Drop the unfinished requests among ``request_ids``; one ``"abort"`` result for each."""
         ...
 
 
@@ -90,6 +97,8 @@ def serve_stream(backend: StreamingBackend, conn, version: int, receivers: dict)
                 return
             if isinstance(command, Generate):
                 _submit(backend, conn, command, version, open_)
+            elif isinstance(command, Abort):
+                _abort(backend, conn, command, open_)
             else:
                 deferred.append(command)
         if backend.has_unfinished():
@@ -121,14 +130,36 @@ def _step(backend: StreamingBackend, conn, open_: _Open) -> None:
     try:
         finished = backend.step()
     except Exception:
-        error = traceback.format_exc()
-        backend.abort_all()
-        for ids in list(open_.commands):
-            conn.send(Failed(ids, error))
-        open_.clear()
+        _fail_all(backend, conn, open_, traceback.format_exc())
         return
-    for result in finished:
+    _answer(conn, finished, open_)
+
+
+def _fail_all(backend: StreamingBackend, conn, open_: _Open, error: str) -> None:
+    """An engine error: drop every request, one Failed per open command."""
+    backend.abort_all()
+    for ids in list(open_.commands):
+        conn.send(Failed(ids, error))
+    open_.clear()
+
+
+def _answer(conn, results: list[GenerationResult], open_: _Open) -> None:
+    """Send each result, then its command's Done if it was that command's last request."""
+    for result in results:
         conn.send(Result(result))
         ids = open_.answer(result.request_id)
         if ids is not None:
             conn.send(Done(ids))
+
+
+def _abort(backend: StreamingBackend, conn, command: Abort, open_: _Open) -> None:
+    """Abort those of ``command``'s requests still open; answer each (module doc)."""
+    open_ids = {rid for rid in command.request_ids if rid in open_.owner}
+    if not open_ids:
+        return
+    try:
+        results = backend.abort(open_ids)
+    except Exception:
+        _fail_all(backend, conn, open_, traceback.format_exc())
+        return
+    _answer(conn, results, open_)

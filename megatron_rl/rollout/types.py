@@ -83,7 +83,7 @@ class GenerationResult:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # log pi_behav(token) at the sampling temperature, one per response token
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]  # abort: ended by an Abort (rollout.worker), tokens so far
     weight_version: int  # version of the weights every token was sampled with (in-flight: the first token's)
     routed_experts: RoutedExperts | None = None  # MoE routes of the forwarded tokens, when asked for
     cached_tokens: int | None = None  # prompt tokens the engine's prefix cache served (None: not reported)

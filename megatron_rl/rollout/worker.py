@@ -3,11 +3,19 @@
 Each worker owns one duplex pipe to the parent and has at most one command outstanding:
 
     parent -> worker: Generate(requests) | Score(requests) | Receive(load, version) | Stop()
+                      Abort(request_ids)                 not a command: no answer of its own
     worker -> parent: Ready(version, streaming)          once, after start-up
                       Result(result)* then Done(ids)     for Generate / Score (one Result per request;
                                                          ids: the command's request ids)
                       Loaded(version)                    for Receive
                       Failed(request_ids, error)         instead of Done / Loaded / Ready
+
+``Abort(ids)`` ends those of ``ids`` still queued or running: each is answered by a ``Result``
+whose ``finish_reason`` is ``"abort"`` (the tokens it had so far, when the engine keeps them),
+in place of its normal one; an id already answered (or unknown) is ignored, so every request is
+still answered exactly once and its command's ``Done`` follows as usual. A chunked worker reads
+Aborts between its backend's decode steps when the backend offers ``between_steps`` (hf), else
+between commands; a streaming worker between engine steps (``abort(ids)`` of the backend).
 
 A chunked backend (``WorkerBackend``) answers one command at a time, in order. A backend that
 also implements ``rollout.stream_worker.StreamingBackend`` (``streaming`` in its ``Ready``) runs
@@ -31,6 +39,7 @@ from __future__ import annotations
 import importlib
 import os
 import traceback
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -123,6 +132,11 @@ class Receive:
 
 
 @dataclass(frozen=True)
+class Abort:
+    request_ids: tuple[str, ...]  # requests to end now (module doc); not a command: no answer of its own
+
+
+@dataclass(frozen=True)
 class Ready:
     version: int
     streaming: bool = False  # Generate commands join a running batch; Dones may come out of order
@@ -202,14 +216,75 @@ def _receive(backend: WorkerBackend, load, receivers: dict) -> None:
 
 
 def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
+    inbox = AbortInbox(conn)
+    if hasattr(backend, "between_steps"):  # hf: Aborts are read between decode steps
+        backend.between_steps = inbox.poll
     while True:
         try:
-            command = conn.recv()
+            command = inbox.recv()
         except EOFError:  # the parent is gone
             return
         if isinstance(command, Stop):
             return
-        version = handle_command(backend, conn, command, version, receivers)
+        if isinstance(command, Generate) and inbox.aborted:
+            _generate_unaborted(backend, conn, command, version, inbox.aborted)
+        else:
+            version = handle_command(backend, conn, command, version, receivers)
+
+
+def aborted_result(request: GenerationRequest, version: int) -> GenerationResult:
+    """The answer to a request aborted before it produced a token."""
+    return GenerationResult(
+        request_id=request.request_id,
+        prompt_ids=request.prompt_ids,
+        response_ids=(),
+        logprobs=(),
+        finish_reason="abort",
+        weight_version=version,
+    )
+
+
+class AbortInbox:
+    """A chunked worker's view of its pipe: commands in order, ``Abort``s taken out as they come."""
+
+    def __init__(self, conn) -> None:
+        self._conn, self._waiting = conn, deque()
+        self.aborted: set[str] = set()  # every id an Abort named (ids are unique per run)
+
+    def recv(self) -> object:
+        """The next command that is not an Abort (blocking)."""
+        while not self._waiting:
+            self._take(self._conn.recv())
+        return self._waiting.popleft()
+
+    def poll(self) -> set[str]:
+        """Read what waits on the pipe without blocking; every id aborted so far."""
+        while self._conn.poll():
+            self._take(self._conn.recv())
+        return self.aborted
+
+    def _take(self, message: object) -> None:
+        if isinstance(message, Abort):
+            self.aborted.update(message.request_ids)
+        else:
+            self._waiting.append(message)
+
+
+def _generate_unaborted(backend: WorkerBackend, conn, command: Generate, version: int, aborted: set[str]) -> None:
+    """``handle_command`` of a Generate some of whose requests were aborted while it was queued:
+    those are answered at once (no token), the rest generated; the Done names every request."""
+    ids = tuple(r.request_id for r in command.requests)
+    for r in command.requests:
+        if r.request_id in aborted:
+            conn.send(Result(aborted_result(r, version)))
+    todo = tuple(r for r in command.requests if r.request_id not in aborted)
+    try:
+        for result in backend.generate(todo, version) if todo else ():
+            conn.send(Result(result))
+    except Exception:
+        conn.send(Failed(ids, traceback.format_exc()))
+        return
+    conn.send(Done(ids))
 
 
 def handle_command(backend: WorkerBackend, conn, command: object, version: int, receivers: dict) -> int:

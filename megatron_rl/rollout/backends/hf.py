@@ -10,7 +10,7 @@ temperature-scaled distribution before top-p, one uniform per token from the req
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -26,6 +26,9 @@ class HFBackend:
     """``WorkerBackend`` over ``transformers.AutoModelForCausalLM``."""
 
     streams_weights = True  # load_tensors copies each tensor in place before taking the next
+    # Set by a chunked worker (rollout.worker): called between decode steps, returns every request
+    # id an Abort named so far; a running row among them ends with finish_reason "abort".
+    between_steps: Callable[[], set[str]] | None = None
 
     def __init__(self, spec: WorkerSpec):
         from transformers import AutoModelForCausalLM
@@ -118,6 +121,12 @@ class HFBackend:
                 routes[i].append(prefill[i, prompt_len - len(r.prompt_ids) :])
         return out.past_key_values, out.logits[:, -1], positions[:, -1] + 1, mask
 
+    def _aborted_now(self, requests: Sequence[GenerationRequest]) -> set[str]:
+        """Ids of ``requests`` an Abort named so far (``between_steps``, set by the worker)."""
+        if self.between_steps is None:
+            return set()
+        return self.between_steps() & {r.request_id for r in requests}
+
     @torch.no_grad()
     def _decode(
         self, requests: Sequence[GenerationRequest], routes: list[list[torch.Tensor]]
@@ -134,13 +143,13 @@ class HFBackend:
         while True:
             uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in rows]).to(self._device)
             tokens, lps = sample_next(logits, temperature[rows], top_p[rows], uniforms)
-            keep = []
+            keep, aborted = [], self._aborted_now(requests)
             for j, (i, token, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist(), strict=True)):
                 responses[i].append(token)
                 logprobs[i].append(lp)
-                s = requests[i].sampling
-                if token in s.stop_token_ids or len(responses[i]) >= s.max_new_tokens:
-                    yield i, responses[i], logprobs[i], "stop" if token in s.stop_token_ids else "length"
+                reason = _end_reason(requests[i], token, len(responses[i]), aborted)
+                if reason is not None:
+                    yield i, responses[i], logprobs[i], reason
                 else:
                     keep.append(j)
             if not keep:
@@ -163,6 +172,16 @@ class HFBackend:
                 step_routes = self._routes.take(len(rows), 1)
                 for j, i in enumerate(rows):
                     routes[i].append(step_routes[j])
+
+
+def _end_reason(request: GenerationRequest, token: int, length: int, aborted: set[str]) -> str | None:
+    """Why a row ends after sampling ``token`` as its ``length``-th: stop, length, abort, or None."""
+    s = request.sampling
+    if token in s.stop_token_ids:
+        return "stop"
+    if length >= s.max_new_tokens:
+        return "length"
+    return "abort" if request.request_id in aborted else None
 
 
 def hf_score(model, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:

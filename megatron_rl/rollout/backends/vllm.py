@@ -38,7 +38,7 @@ from functools import partial
 from megatron_rl.rollout.backends.vllm_api import engine_family
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
-from megatron_rl.rollout.worker import WorkerSpec
+from megatron_rl.rollout.worker import WorkerSpec, aborted_result
 
 # LLM arguments the engine relies on; vllm_kwargs may not override them.
 RESERVED_KWARGS = ("model", "skip_tokenizer_init", "logprobs_mode", "tensor_parallel_size", "dtype", "seed")
@@ -145,6 +145,14 @@ class VLLMBackend:
         if self._pending:
             self._engine.abort(self._pending)
             self._pending.clear()
+
+    def abort(self, request_ids: set[str]) -> list[GenerationResult]:
+        """Drop the unfinished requests among ``request_ids`` (``stream_worker.StreamingBackend``):
+        one ``"abort"`` result each, with no token (the engine's partial output is not kept)."""
+        internal = [k for k, (r, _) in self._pending.items() if r.request_id in request_ids]
+        if internal:
+            self._engine.abort(internal)
+        return [aborted_result(r, version) for r, version in (self._pending.pop(k) for k in internal)]
 
     def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
         """Prompt log-probs of each request's response, at temperature 1 only (``rollout.scoring``)."""
