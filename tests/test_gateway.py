@@ -150,7 +150,7 @@ def test_streaming_and_sampling_fields(served):
         ({"messages": [{"role": "user", "content": "x"}], "temperature": 9}, "temperature"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-        ({"messages": [{"role": "user", "content": "x"}], "stop": ["two tokens"]}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
     ],
 )

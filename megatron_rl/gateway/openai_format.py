@@ -77,7 +77,8 @@ def parse_request(body: Any) -> ChatRequest:
     _need(ok_max, "'max_tokens' must be a positive integer", "max_tokens")
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
-    _need(isinstance(stop, list | tuple) and all(isinstance(s, str) and s for s in stop), "bad 'stop'", "stop")
+    ok_stop = isinstance(stop, list | tuple) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
+    _need(ok_stop, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     _need(body.get("n", 1) == 1, "'n' must be 1 (one sample per request)", "n")
     _need(not body.get("top_logprobs"), "'top_logprobs' is not supported (sampled tokens only)", "top_logprobs")
     options = body.get("stream_options") or {}
@@ -152,6 +153,7 @@ class Turn:
     tokens: tuple[str, ...]  # each sampled token's text (for logprobs)
     logprobs: tuple[float, ...]
     prompt_tokens: int
+    pieces: tuple[str, ...] = ()  # what each token adds to ``text`` (``detok.pieces``; streaming only)
 
 
 def assistant_turn(text: str, *, turn_id: str, cut: bool) -> tuple[str | None, tuple[dict[str, Any], ...], str]:
@@ -204,19 +206,45 @@ def _usage(turn: Turn) -> dict[str, int]:
     return {"prompt_tokens": turn.prompt_tokens, "completion_tokens": n, "total_tokens": turn.prompt_tokens + n}
 
 
-def _logprobs(turn: Turn, wanted: bool) -> dict[str, Any] | None:
+def _logprobs(turn: Turn, wanted: bool, covered: range | None = None) -> dict[str, Any] | None:
     if not wanted:
         return None
+    covered = range(len(turn.tokens)) if covered is None else covered
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(turn.tokens, turn.logprobs, strict=True)
+            {
+                "token": turn.tokens[i],
+                "logprob": turn.logprobs[i],
+                "bytes": list(turn.tokens[i].encode()),
+                "top_logprobs": [],
+            }
+            for i in covered
         ]
     }
 
 
+def content_deltas(turn: Turn) -> list[tuple[str, range]]:
+    """The turn's content as (text, tokens it covers) per stream chunk: one chunk per token's
+    piece of text (tokens that add none ride with the next; the stop token with the last), or
+    the whole content at once for a turn with tool calls (its content is the text around them)."""
+    n = len(turn.tokens)
+    if not turn.content:
+        return []
+    if turn.tool_calls or not turn.pieces or turn.content != turn.text:
+        return [(turn.content, range(n))]
+    out, start = [], 0
+    for i, piece in enumerate(turn.pieces):
+        if piece:
+            out.append((piece, range(start, i + 1)))
+            start = i + 1
+    out[-1] = (out[-1][0], range(out[-1][1].start, n))
+    return out
+
+
 def sse_chunks(turn: Turn, *, cid: str, model: str, request: ChatRequest) -> Iterator[str]:
-    """The turn as ``chat.completion.chunk`` events (role, content, tool calls, finish, [usage]), then ``[DONE]``."""
+    """The turn as ``chat.completion.chunk`` events (role, content piece by piece, tool calls,
+    finish, [usage]), then ``[DONE]``. Sent once the engine answered the whole turn: the engine
+    pool streams finished turns, not tokens."""
     head = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
@@ -224,8 +252,8 @@ def sse_chunks(turn: Turn, *, cid: str, model: str, request: ChatRequest) -> Ite
         return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
     yield event({"role": "assistant", "content": ""})
-    if turn.content:
-        yield event({"content": turn.content}, logprobs=_logprobs(turn, request.logprobs))
+    for text, covered in content_deltas(turn):
+        yield event({"content": text}, logprobs=_logprobs(turn, request.logprobs, covered))
     if turn.tool_calls:
         yield event({"tool_calls": [{"index": j, **c} for j, c in enumerate(turn.tool_calls)]})
     yield event({}, turn.finish_reason)
@@ -235,13 +263,7 @@ def sse_chunks(turn: Turn, *, cid: str, model: str, request: ChatRequest) -> Ite
 
 
 def stop_ids(tokenizer: Any, stops: Sequence[str]) -> tuple[int, ...]:
-    """The token id of each stop string; ``RequestError`` for one that is not a single token."""
-    out = []
-    for text in stops:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) != 1:
-            raise RequestError(
-                f"stop string {text!r} is {len(ids)} tokens; the gateway stops on one-token strings", param="stop"
-            )
-        out.append(int(ids[0]))
-    return tuple(out)
+    """The token id of each one-token stop string: the engine stops on those at once (longer
+    ones are found in the turn's text afterwards: ``detok.stop_cut``)."""
+    encoded = [tokenizer.encode(text, add_special_tokens=False) for text in stops]
+    return tuple(int(ids[0]) for ids in encoded if len(ids) == 1)

@@ -9,6 +9,10 @@ engine pool's stream.
 - ``EngineLink(engine)``: one ``generate_stream`` over a ``RequestFeed`` for the requests of
   every open session (``Gateway.attach``); ``results()`` hands each answered turn's
   (request id, weight version) to the caller's thread (the producer's staleness check).
+- A turn's stop ids are the sampling section's, the template's end-of-turn token and each
+  one-token ``stop`` string; a ``stop`` string of any length is then looked for in the turn's
+  text and the turn cut before it (``detok.stop_cut``: ids, log-probs and text alike,
+  finish_reason "stop"), so the session trains exactly the tokens whose text the client got.
 - Every refused request gets OpenAI's error JSON (400 malformed, 401 key, 404 no such session,
   409 session closed, 500 anything else) and is counted on the session; the server never stops
   for one.
@@ -25,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+from megatron_rl.gateway.detok import pieces, stop_cut
 from megatron_rl.gateway.openai_format import (
     ChatRequest,
     RequestError,
@@ -202,17 +207,27 @@ class Gateway:
         answered = time.perf_counter()
         if session.closed:
             raise RequestError(f"session {session.key!r} was closed: {session.closed}", status=409)
-        out = self._record(session, plan, result, stops, eot=eot, turn_id=f"{turn}")
+        result = _cut(result, request.stop, self.codec.decode)
+        out = self._record(session, plan, result, stops, eot=eot, turn_id=f"{turn}", stream=request.stream)
         self.turn_s.append((submitted - start) + (time.perf_counter() - answered))
         return out, f"chatcmpl-{rid.replace('/', '-')}"
 
     def _record(
-        self, session: Session, plan: Any, result: GenerationResult, stops: tuple[int, ...], *, eot: int, turn_id: str
+        self,
+        session: Session,
+        plan: Any,
+        result: GenerationResult,
+        stops: tuple[int, ...],
+        *,
+        eot: int,
+        turn_id: str,
+        stream: bool,
     ) -> Turn:
         """Commit the engine's turn to the session; the turn as the API shows it."""
         ids = result.response_ids
         stopped = result.finish_reason == "stop" and bool(ids) and ids[-1] in stops
-        text = self.codec.decode(ids[:-1] if stopped else ids)
+        shown = ids[:-1] if stopped else ids
+        text = self.codec.decode(shown)
         content, calls, finish = assistant_turn(text, turn_id=turn_id, cut=result.finish_reason == "length")
         turn = Turn(
             text=text,
@@ -222,6 +237,7 @@ class Gateway:
             tokens=tuple(self.codec.token_text(t) for t in ids),
             logprobs=tuple(result.logprobs),
             prompt_tokens=len(plan.prompt_ids),
+            pieces=pieces(shown, self.codec.decode) if stream else (),
         )
         closed = bool(ids) and ids[-1] == eot
         session.commit(plan, result=result, text=text, assistant=recorded_message(turn), closed_turn=closed)
@@ -243,3 +259,19 @@ class Gateway:
         """Count one refused request on session ``sid`` (when it is open)."""
         if sid in self.sessions:
             self.sessions[sid].malformed += 1
+
+
+def _cut(result: GenerationResult, stops: tuple[str, ...], decode: Any) -> GenerationResult:
+    """The engine's turn cut before the request's earliest ``stop`` string (``detok.stop_cut``):
+    ids, log-probs and per-token versions alike, finish_reason "stop"; unchanged when none occurs."""
+    keep = stop_cut(result.response_ids, stops, decode)
+    if keep is None:
+        return result
+    versions = result.token_versions[:keep] if result.token_versions else None
+    return replace(
+        result,
+        response_ids=result.response_ids[:keep],
+        logprobs=result.logprobs[:keep],
+        finish_reason="stop",
+        token_versions=versions or None,
+    )
