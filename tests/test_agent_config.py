@@ -25,6 +25,11 @@ RUN = "agent.run=tests.agent_fixtures:two_turn_agent"
         (["rollout.generator=agent", RUN, "agent.max_total_tokens=-1"], "agent.max_total_tokens", "> 0"),
         (["rollout.generator=agent", RUN, "agent.port=70000"], "agent.port", "[0, 65535]"),
         (
+            ["rollout.generator=agent", RUN, "algorithm.routing_replay=rollout"],
+            "algorithm.routing_replay",
+            "rollout.generator 'agent'",
+        ),
+        (
             ["rollout.generator=agent", RUN, "pipeline.micro_batch_tokens=1024"],
             "pipeline.micro_batch_tokens",
             ">= 4096",

@@ -235,7 +235,12 @@ def check_agent_generator(cfg: Config) -> Found:
             f"must fit a micro-batch; raise it to >= {budget}",
         )
     if name == "agent" and cfg.algorithm.routing_replay == "rollout":
-        yield "algorithm.routing_replay", "'rollout' cannot be combined with agent rollouts (multi-turn: use 'none')"
+        yield (
+            "algorithm.routing_replay",
+            "'rollout' cannot be combined with rollout.generator 'agent': agent trajectories are multi-turn, and "
+            "multi-turn rollouts do not replay routes (the engine routes each turn, not the trajectory with its "
+            "observation tokens). Set algorithm.routing_replay to 'none' (the trainer's routers choose)",
+        )
 
 
 def check_temperature(cfg: Config) -> Found:
