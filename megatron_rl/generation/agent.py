@@ -59,19 +59,43 @@ class AgentSettings:
 
 @dataclass
 class AgentStats:
-    """Counts over the generator's life (``agent/...`` figures)."""
+    """Counts over the generator's life, logged every step as ``agent/<field>`` (run totals,
+    like the ``data/`` and ``reward/`` counters): trajectories ended, failures by kind, requests
+    refused, model turns, branches beyond a session's first, tool calls the model made."""
 
     trajectories: int = 0
-    crashed: int = 0
-    timed_out: int = 0
-    bad_return: int = 0
-    refused_requests: int = 0  # requests answered with an error (malformed, over budget, closed)
+    crashed: int = 0  # the agent raised
+    timed_out: int = 0  # ran past agent.timeout_s
+    bad_return: int = 0  # returned neither a number nor None
+    malformed_requests: int = 0  # requests answered with an error (malformed, over budget, closed)
+    turns: int = 0  # model turns of the trajectories (their last branches)
     branches: int = 0  # sessions' branches beyond their first
+    tool_calls: int = 0  # tool calls parsed from the trajectories' model turns
     groups_failed: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, session: Session, outcome: Outcome) -> None:
+        """Count one ended trajectory (``session``: its gateway session)."""
+        with self._lock:
+            self.trajectories += 1
+            self.malformed_requests += session.malformed
+            self.branches += max(0, len(session.branches) - 1)
+            if session.current is not None:
+                self.turns += len(session.current.versions)
+                self.tool_calls += session.current.tool_calls
+            if outcome.failure:
+                setattr(self, outcome.failure, getattr(self, outcome.failure) + 1)
+
+    def group_failed(self) -> None:
+        """Count one group given up (``FailedGroup``)."""
+        with self._lock:
+            self.groups_failed += 1
 
     def metrics(self) -> dict[str, float]:
-        """``agent/<count>`` per field."""
-        return {f"agent/{k}": float(v) for k, v in vars(self).items()}
+        """``agent/<count>`` per field, and ``agent/failures`` (crashed + timed_out + bad_return)."""
+        with self._lock:
+            out = {f"agent/{k}": float(v) for k, v in vars(self).items() if not k.startswith("_")}
+        return out | {"agent/failures": out["agent/crashed"] + out["agent/timed_out"] + out["agent/bad_return"]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +166,10 @@ class AgentGenerator:
         if link.error is not None:
             raise RuntimeError("the engine stream of the agents' turns failed") from link.error
 
+    def metrics(self) -> dict[str, float]:
+        """The ``agent/...`` counts for the trainer's log (``AgentStats.metrics``)."""
+        return self.stats.metrics()
+
     def overlong_lengths(self, samples: Sequence[MeasuredSample], max_len: int) -> OverlongLengths:
         """The session budget less the prompt (not ``max_len``); a truncated trajectory reaches it."""
         room = self.settings.max_total_tokens - len(samples[0].prompt_ids)
@@ -174,16 +202,12 @@ class AgentGenerator:
         ended = [group.ended[k] for k in range(len(group.ended))]
         st = self.stats
         for session, outcome in ended:
-            st.trajectories += 1
-            st.refused_requests += session.malformed
-            st.branches += max(0, len(session.branches) - 1)
-            if outcome.failure:
-                setattr(st, outcome.failure, getattr(st, outcome.failure) + 1)
+            st.add(session, outcome)
         branches = [s.current for s, _ in ended]
         firsts = [b.prompt_ids for b in branches if b is not None]
         shared = _common_prefix(firsts) if len(firsts) == len(branches) else 0
         if shared == 0:
-            st.groups_failed += 1
+            st.group_failed()
             why = next((o.error for _, o in ended if o.failure), "") or "an agent made no model request"
             if len(firsts) == len(branches):
                 why = "the group's first prompts share no token"

@@ -13,6 +13,8 @@ that builds generators by name.
   task reward when a trajectory carries no reward of its own.
 - ``Generator.overlong_lengths(samples, max_len)``: what DAPO overlong shaping measures of a
   finished group (each response's length against ``max_len``, or a budget of its own).
+- Optionally ``Generator.metrics()``: counters of its own for the trainer's log
+  (``generator_metrics``; the agent generator's ``agent/...``).
 
 A generator is registered under a name (``register_generator``) with a factory taking a
 ``GeneratorSetup``; ``build_generator(name, setup)`` builds it, or the factory at a dotted path
@@ -185,6 +187,12 @@ class GeneratorSetup:
     environment: EnvironmentConfig = EnvironmentConfig()  # the environment section (multi-turn)
     agent: AgentConfig = AgentConfig()  # the agent section (agent rollouts over the gateway)
     instruction: str | None = DataConfig.instruction  # data.instruction (multi-turn reset fields)
+
+
+def generator_metrics(generator: Generator) -> dict[str, float]:
+    """The generator's own counters for the trainer's log ({} when it has none)."""
+    metrics = getattr(generator, "metrics", None)
+    return metrics() if callable(metrics) else {}
 
 
 GeneratorFactory = Callable[[GeneratorSetup], Generator]

@@ -21,6 +21,7 @@ from megatron_rl.config import Config, ConfigError, validate_world
 from megatron_rl.config.errors import Problem
 from megatron_rl.control import GroupSizeController, load_controller
 from megatron_rl.data import PromptStream
+from megatron_rl.generation import generator_metrics
 from megatron_rl.parallel.state import ParallelLayout, initialize_parallel
 from megatron_rl.pipeline import Pipeline, RolloutInputs, StepSpan
 from megatron_rl.pipeline.recording import NullEngine
@@ -200,7 +201,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     (continuing a checkpoint's prompt stream, controller state and step count when resuming),
     routing micro-batches to ``replicas`` data-parallel replicas.
     What the data loader skipped is printed once; the pipeline's ``extra_metrics`` reports the
-    data and reward-guard counters every step."""
+    data, reward-guard and generator (``agent/...``) counters every step."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
@@ -211,12 +212,13 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     if resume and resume.prompt_stream:
         stream.load_state_dict(resume.prompt_stream)
     start, reward = (resume.step if resume else 0), from_config.reward_fn(cfg)
+    generator = from_config.generator(cfg, tokenizer, from_config.sampling_settings(cfg, tokenizer))
     inputs = RolloutInputs(
         engine=engine,
         prompts=stream,
         reward_fn=reward,
         controller=build_controller(cfg, resume),
-        generator=from_config.generator(cfg, tokenizer, from_config.sampling_settings(cfg, tokenizer)),
+        generator=generator,
         scoring=from_config.group_scoring(cfg),
         teacher=from_config.teacher_stage(cfg, tokenizer),  # on-policy distillation (distill.teacher)
     )
@@ -225,7 +227,11 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
         from_config.pipeline_settings(cfg),
         StepSpan(start_step=start, num_steps=cfg.trainer.steps - start),
         record=cfg.rollout.record,
-        extra_metrics=lambda: {**report.as_metrics(), **reward.stats().as_metrics()},
+        extra_metrics=lambda: {
+            **report.as_metrics(),
+            **reward.stats().as_metrics(),
+            **generator_metrics(generator),  # agent/... counters
+        },
         replicas=replicas,
     )
 
