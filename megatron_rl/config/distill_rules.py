@@ -34,9 +34,10 @@ def distill_section(d: Any) -> Found:
 
 
 def check_distill(cfg: Config) -> Found:
-    """A distill loss needs a teacher (its files: ``resources.py``); a vllm teacher scores at temperature 1; the
-    teacher's devices are its own; a loss without reward drops no group by reward."""
+    """A distill loss needs a teacher (its files: ``resources.py``); a vllm teacher scores at temperature 1; a
+    loss without reward drops no group by reward; the teacher's, judge's and reward model's devices are their own."""
     d, a = cfg.distill, cfg.algorithm
+    yield from check_model_engine_devices(cfg)
     if a.loss == "distill" and d.teacher is None:
         yield "distill.teacher", "algorithm.loss 'distill' needs a teacher: set distill.teacher to its HF checkpoint"
     if d.teacher is None:
@@ -48,9 +49,6 @@ def check_distill(cfg: Config) -> Found:
         )
     if a.loss == "distill" and a.dynamic_sampling:
         yield "algorithm.dynamic_sampling", "drops groups by reward, but algorithm.loss 'distill' uses no reward"
-    shared = _device_ids(cfg.rollout.devices) & _device_ids(d.devices)
-    if shared:
-        yield "distill.devices", f"{sorted(shared)} are also rollout.devices: the teacher needs devices of its own"
 
 
 def _device_ids(devices: list[str]) -> set[str]:
@@ -64,3 +62,28 @@ def _device_ids(devices: list[str]) -> set[str]:
         if device.kind != "cpu":
             out |= {f"{device.kind}:{i}" for i in device.ids}
     return out
+
+
+def check_model_engine_devices(cfg: Config) -> Found:
+    """The teacher's, judge's and reward model's accelerators (when the run uses them) are their own:
+    none named by the rollout engines' node-0 devices or by another of these models."""
+    from .reward_rules import used_components
+
+    r, used = cfg.reward, used_components(cfg.reward)
+    nodes = cfg.rollout.engine_nodes or [0] * len(cfg.rollout.devices)
+    owners = {
+        i: "rollout.devices"
+        for t, n in zip(cfg.rollout.devices, nodes, strict=False)
+        if n == 0
+        for i in _device_ids([t])
+    }
+    for key, role, devices, on in (
+        ("distill.devices", "teacher", cfg.distill.devices, cfg.distill.teacher is not None),
+        ("reward.judge.devices", "judge", r.judge.devices, "judge" in used),
+        ("reward.model.devices", "reward model", r.model.devices, "model" in used),
+    ):
+        ids = _device_ids(devices) if on else set()
+        for other in sorted({owners[i] for i in ids if i in owners}):
+            shared = sorted(i for i in ids if owners.get(i) == other)
+            yield key, f"{shared} are also {other}: the {role} needs devices of its own"
+        owners.update({i: key for i in ids if i not in owners})

@@ -5,7 +5,8 @@ anything launches.
 
 Modules: `devices` (device memory table), `layout` (ranks and engines per node, megatron's
 TP / PP / DP coordinates), `memory` (the per-device memory model; its MoE and LoRA terms in
-`moe_memory` and `lora_memory`), `build` (config -> `Plan`, fit verdict, knob advice),
+`moe_memory` and `lora_memory`), `model_engines` (the teacher's, judge's and reward model's engines:
+placement and memory), `build` (config -> `Plan`, fit verdict, knob advice),
 `report` (the printed text).
 """
 

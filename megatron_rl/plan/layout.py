@@ -85,14 +85,17 @@ def engine_nodes(cfg: Config) -> tuple[int, ...]:
 
 
 def engine_device_ids(cfg: Config, node: int = 0) -> list[int]:
-    """Device ids ``node``'s engines occupy (CPU engines occupy none)."""
+    """Device ids ``node``'s engines occupy (CPU engines occupy none; node 0 also runs the
+    teacher / judge / reward model engines: ``model_engines``)."""
+    from megatron_rl.plan.model_engines import model_engine_ids
+
     ids: list[int] = []
     nodes = engine_nodes(cfg)
     for i, text in enumerate(cfg.rollout.devices):
         device = parse_device(text, f"rollout.devices[{i}]")
         if device.kind != "cpu" and nodes[i] == node:
             ids += list(device.ids)
-    return ids
+    return ids + (model_engine_ids(cfg) if node == 0 else [])  # a teacher's / judge's / reward model's
 
 
 def _training_ranks(cfg: Config, node: int, devices_per_node: int) -> int:
@@ -119,9 +122,13 @@ def _training_ranks(cfg: Config, node: int, devices_per_node: int) -> int:
 
 def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLayout:
     """Place training ranks and engines on `nodes` nodes of `devices_per_node` devices."""
+    from megatron_rl.plan.model_engines import placement_problems
+
     if nodes < 1 or devices_per_node < 1:
         raise LayoutError(f"--nodes ({nodes}) and --devices-per-node ({devices_per_node}) must be >= 1")
     placed = engine_nodes(cfg)
+    if problems := placement_problems(cfg, devices_per_node):
+        raise LayoutError("; ".join(problems))
     if absent := sorted({n for n in placed if n >= nodes}):
         raise LayoutError(
             f"rollout.engine_nodes {list(placed)} names node(s) {absent}, but the launch has "

@@ -6,6 +6,7 @@ Contract: `RewardFn` in `base.py`; the answer format is the last `\\boxed{...}` 
 (`GuardedReward`: failures score 0 and are counted in `RewardStats`). Rewards computed by a model
 (`reward.kind`): `model_reward` (a sequence-classification model in worker processes of its own),
 batched off the producer thread (`batched`); `load_reward(reward config)` builds the one a run names.
+Worker processes (the reward pool's, the reward model's) share one lifecycle: `process_worker`.
 """
 
 from megatron_rl.rewards.base import RewardFn, extract_boxed
