@@ -4,7 +4,9 @@ It replaces ``DotProductAttention`` in the local layer spec (see ``models.builde
 ``packed_attention(layout)`` it treats the ``[T, 1]`` input as one THD micro-batch and calls
 ``shared_prompt_attention`` with the configured backend; outside, it is ordinary causal
 attention over each row of a ``[s, b]`` batch. Heads are this TP rank's slice, as megatron
-hands them over; GQA is resolved by the backends.
+hands them over; GQA is resolved by the backends. Under context parallelism (a ``CPSlice`` in
+the block) the ``[T_r, 1]`` input is this rank's slice and ``attention.context_parallel``
+all-gathers K / V over megatron's CP group.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.attention.backends import shared_prompt_attention
-from megatron_rl.attention.context import current_layout
+from megatron_rl.attention.backends import resolve_backend, shared_prompt_attention
+from megatron_rl.attention.context import current_cp, current_layout
+from megatron_rl.attention.context_parallel import cp_attention
 from megatron_rl.config.schema import AttentionConfig
 
 
@@ -38,9 +41,8 @@ class SharedPromptCoreAttention(torch.nn.Module):
         super().__init__()
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) != 0:
             raise ValueError("shared-prompt attention does not implement attention dropout; set it to 0")
-        if config.context_parallel_size != 1:
-            raise ValueError("shared-prompt attention does not support context parallelism")
         self.config = config
+        self.cp_group = getattr(pg_collection, "cp", None)  # megatron's CP group (None: parallel_state's)
         self.backend = backend
         self.softmax_scale = softmax_scale
 
@@ -65,11 +67,29 @@ class SharedPromptCoreAttention(torch.nn.Module):
         else:
             if b != 1:
                 raise ValueError(f"a packed micro-batch is one row of T tokens; got batch size {b}")
+            cp = current_cp()
+            if cp is not None and cp.cp > 1:
+                return self._context_parallel(query, key, value, layout, cp).reshape(s, b, heads * dim)
             out = shared_prompt_attention(
                 query[:, 0], key[:, 0], value[:, 0], layout, backend=self.backend, softmax_scale=self.softmax_scale
             )
             out = out.unsqueeze(1)
         return out.reshape(s, b, heads * dim)
+
+    def _context_parallel(self, query, key, value, layout, cp):
+        """This CP rank's rows ``[T_r, 1, h, d]`` (see ``attention.context_parallel``)."""
+        from megatron.core import parallel_state
+
+        requires_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+        name = self.backend
+        if name == "auto" and query.device.type == "cuda":
+            name = "flex"  # auto's triton has no CP path
+        name = resolve_backend(name, query.device.type, requires_grad)
+        group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
+        out = cp_attention(
+            query[:, 0], key[:, 0], value[:, 0], layout, cp, backend=name, group=group, softmax_scale=self.softmax_scale
+        )
+        return out.unsqueeze(1)
 
     def _causal(self, query, key, value):
         # [s, b, h, d] -> [b, h, s, d]; GQA by repeating KV heads.

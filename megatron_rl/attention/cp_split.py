@@ -136,3 +136,24 @@ def build_cp_slice(layout: AttentionLayout, cp: int, rank: int) -> CPSlice:
 def cp_slice_of(layout: AttentionLayout, cp: int, rank: int) -> CPSlice:
     """``build_cp_slice``, cached on the layout (every layer and copy of a micro-batch reuses it)."""
     return layout.cached_plan(("cp_slice", cp, rank), lambda: build_cp_slice(layout, cp, rank))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPScoring:
+    """The scored positions (``PackedMicroBatch.logit_index``) this rank holds."""
+
+    items: Partition  # of the N scored positions, by the rank holding each one's hidden state
+    local_rows: torch.Tensor  # [N_r] rows of the rank's local sequence, for its items in order
+
+
+def cp_scoring_of(cp_slice: CPSlice, layout: AttentionLayout, logit_index: torch.Tensor) -> CPScoring:
+    """Which scored positions this rank computes log-probs for (cached on ``layout``, to which
+    ``logit_index`` belongs): their local rows, and the partition that gathers the ``[N]``."""
+
+    def build() -> CPScoring:
+        index = logit_index.cpu()
+        items = cp_slice.tokens.restrict(index)
+        mine = index[items.index[cp_slice.rank]]
+        return CPScoring(items=items, local_rows=torch.searchsorted(cp_slice.local_index, mine))
+
+    return layout.cached_plan(("cp_scoring", cp_slice.cp, cp_slice.rank), build)

@@ -102,6 +102,9 @@ def build_gpt_model(
         moe_losses=moe_losses,
         ep=parallel_state.get_expert_model_parallel_world_size(),
     )
+    # megatron's CP size (its schedules scale the loss by it, its DDP reduces over DP x CP); the
+    # attention under CP is ours (attention.context_parallel), not megatron's ring attention
+    config.context_parallel_size = parallel_state.get_context_parallel_world_size()
     model = _gpt_model_class()(
         config=config,
         transformer_layer_spec=decoder_block_spec(spec, config, attention_backend),

@@ -9,12 +9,17 @@ with positions 0..s-1 it is identical to the stock behaviour.
 Every layout built here (shared-prompt packing, K copies, plain sequences) gives a token a position
 no larger than its index in the sequence, so the angle table for ``max_seq_len`` (the sequence
 length megatron passes) covers every position: no device->host read of ``max(position_ids)`` per
-forward (a host sync on an accelerator).
+forward (a host sync on an accelerator). Under context parallelism the model holds a slice of
+the packed sequence (``attention.context.current_cp``): its tokens keep their original
+positions, the table spans the whole packed sequence and megatron's own CP slicing of the
+table (for contiguous zigzag sequences) is bypassed.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_rl.attention.context import current_cp
 
 
 class PositionIndexedRotary(torch.nn.Module):
@@ -36,5 +41,8 @@ class PositionIndexedRotary(torch.nn.Module):
             if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
                 raise ValueError("position ids must be equal across the batch (packed inputs use batch size 1)")
             pos = pos[0]
-        table = self.inner(max_seq_len)  # [max_seq_len, 1, 1, d]: every position is below max_seq_len
+        cp = current_cp()
+        length = max(max_seq_len, cp.tokens.n) if cp is not None else max_seq_len
+        # [length, 1, 1, d]: every position is below it; packed_seq: no CP slicing of the table
+        table = self.inner(length, packed_seq=True)
         return table[pos]

@@ -63,3 +63,42 @@ def forward_logprobs(model, input_ids: torch.Tensor, *, vocab_size: int, tempera
 
     b, s = input_ids.shape
     return _reduce_on_last_stage(model, input_ids, token_logprobs, (b, s - 1))
+
+
+@torch.no_grad()
+def forward_packed_logits(model, mb, *, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary fp32 logits ``[T, vocab_size]`` of a shared-prompt ``PackedMicroBatch``
+    (the model built with shared-prompt attention), on every rank. Under context parallelism
+    each CP rank forwards its slice (``attention.cp_split``) and the rows are all-gathered."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_rl.attention.context import packed_attention
+    from megatron_rl.attention.context_parallel import gather_rows
+    from megatron_rl.attention.cp_split import cp_slice_of
+
+    cp = ps.get_context_parallel_world_size()
+    sl = cp_slice_of(mb.layout, cp, ps.get_context_parallel_rank()) if cp > 1 else None
+    rows = sl.local_index if sl is not None else torch.arange(mb.num_tokens)
+
+    def step(m, item):
+        device = next(m.parameters()).device
+        ids, pos = (x.to(device)[rows.to(device)][None] for x in (item.token_ids, item.position_ids))
+        with packed_attention(item.layout, sl):
+            return m(ids, pos, attention_mask=None)
+
+    def full(logits, _item):
+        out = gather_from_tensor_model_parallel_region(logits)[0, :, :vocab_size].float()
+        if sl is None:
+            return out
+        return gather_rows(out, sl.tokens, rank=sl.rank, group=ps.get_context_parallel_group(), sum_grads=False)
+
+    out = run_schedule(
+        model,
+        [mb],
+        forward_step=step,
+        loss=lambda logits, item: (logits.sum() * 0, full(logits, item)),
+        seq_length=lambda item: item.num_tokens,
+        forward_only=True,
+    )
+    return _broadcast_from_last_stage(out[0] if out else None, (mb.num_tokens, vocab_size))

@@ -1,4 +1,9 @@
-"""Initialise torch.distributed and megatron-core's TP x PP x DP groups for this process."""
+"""Initialise torch.distributed and megatron-core's TP x PP x CP x DP groups for this process.
+
+A model replica is TP x PP x CP ranks (CP ranks hold slices of the same micro-batches: see
+``attention.context_parallel``); megatron's model-parallel group is TP x PP only, so the host
+group of a replica (``host_model_parallel_group``) is built here to include the CP ranks.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ class ParallelLayout:
     pp_rank: int
     dp_rank: int
     ep: int = 1  # expert-parallel size: EP ranks split the routed experts within the DP ranks
+    cp: int = 1  # context-parallel size: CP ranks of a replica hold slices of every micro-batch
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -36,14 +43,17 @@ class ParallelLayout:
         return self.pp_rank == self.pp - 1
 
 
-def check_world(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
-    """Return DP size, or raise naming the sizes when TP x PP does not divide the world or EP
+def check_world(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> int:
+    """Return DP size, or raise naming the sizes when TP x PP x CP does not divide the world or EP
     does not divide the DP size (megatron carves the expert-parallel groups out of DP)."""
-    if tp < 1 or pp < 1 or ep < 1:
-        raise ValueError(f"parallel.tp ({tp}), parallel.pp ({pp}) and parallel.ep ({ep}) must be >= 1")
-    if world_size % (tp * pp):
-        raise ValueError(f"parallel.tp ({tp}) x parallel.pp ({pp}) = {tp * pp} does not divide world size {world_size}")
-    dp = world_size // (tp * pp)
+    if tp < 1 or pp < 1 or ep < 1 or cp < 1:
+        raise ValueError(f"parallel.tp ({tp}), parallel.pp ({pp}), parallel.ep ({ep}), parallel.cp ({cp}) must be >= 1")
+    if world_size % (tp * pp * cp):
+        key = "parallel.cp" if cp > 1 else "parallel.tp"
+        raise ValueError(
+            f"{key}: tp ({tp}) x pp ({pp}) x cp ({cp}) = {tp * pp * cp} does not divide world size {world_size}"
+        )
+    dp = world_size // (tp * pp * cp)
     if dp % ep:
         raise ValueError(
             f"parallel.ep ({ep}) does not divide the data-parallel size {dp} (world {world_size} / (tp {tp} x pp {pp}))"
@@ -52,10 +62,17 @@ def check_world(world_size: int, tp: int, pp: int, ep: int = 1) -> int:
 
 
 def initialize_parallel(
-    *, tp: int, pp: int, ep: int = 1, seed: int = 1234, platform: str = "auto", timeout_s: float = 600.0
+    *,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    cp: int = 1,
+    seed: int = 1234,
+    platform: str = "auto",
+    timeout_s: float = 600.0,
 ) -> tuple[Platform, ParallelLayout]:
     """Set up the platform, the default process group (from torchrun env vars) and megatron's groups
-    (``ep``: expert-parallel size; the expert tensor-parallel size is TP).
+    (``ep``: expert-parallel size, the expert tensor-parallel size is TP; ``cp``: context-parallel size).
 
     Idempotent for the same sizes. Seeds the default generator with ``seed`` and megatron's
     model-parallel RNG tracker (``seed + 2718 + tp_rank`` for TP regions).
@@ -67,8 +84,8 @@ def initialize_parallel(
     if not dist.is_initialized():
         _init_default_group(plat.dist_backend, group_timeout(timeout_s))
     world = dist.get_world_size()
-    dp = check_world(world, tp, pp, ep)
-    _init_model_parallel(tp, pp, ep, timeout_s)
+    dp = check_world(world, tp, pp, ep, cp)
+    _init_model_parallel(tp, pp, ep, cp, timeout_s)
     _build_host_groups(plat)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -81,11 +98,13 @@ def initialize_parallel(
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         ep=ep,
+        cp=cp,
+        cp_rank=parallel_state.get_context_parallel_rank(),
     )
     return plat, layout
 
 
-def _init_model_parallel(tp: int, pp: int, ep: int, timeout_s: float) -> None:
+def _init_model_parallel(tp: int, pp: int, ep: int, cp: int, timeout_s: float) -> None:
     """megatron's model-parallel groups of these sizes (a no-op when they exist with the same sizes)."""
     from megatron.core import parallel_state
 
@@ -94,7 +113,8 @@ def _init_model_parallel(tp: int, pp: int, ep: int, timeout_s: float) -> None:
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_expert_model_parallel_world_size(),
-        ) != (tp, pp, ep):
+            parallel_state.get_context_parallel_world_size(),
+        ) != (tp, pp, ep, cp):
             raise RuntimeError("model parallel already initialised with different sizes; call destroy_parallel() first")
     else:
         parallel_state.initialize_model_parallel(
@@ -102,6 +122,7 @@ def _init_model_parallel(tp: int, pp: int, ep: int, timeout_s: float) -> None:
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep,
+            context_parallel_size=cp,
         )
 
 
@@ -124,8 +145,19 @@ def host_world_group():
 
 
 def host_model_parallel_group():
-    """A gloo group of this rank's model-parallel (TP x PP) ranks, megatron's group itself on gloo."""
+    """A gloo group of this rank's model replica (TP x PP x CP ranks), megatron's TP x PP group
+    itself on gloo at CP 1."""
     return _HOST_GROUPS["model_parallel"]
+
+
+def replica_src_rank() -> int:
+    """The global rank that leads this rank's model replica (TP x PP x CP): megatron's
+    model-parallel source rank at CP 1, else the replica's lowest rank."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return parallel_state.get_model_parallel_src_rank()
+    return min(dist.get_process_group_ranks(host_model_parallel_group()))
 
 
 def _build_host_groups(plat: Platform) -> None:
@@ -136,11 +168,18 @@ def _build_host_groups(plat: Platform) -> None:
         return
     mp_group = parallel_state.get_model_parallel_group()
     world = host_world_group()
-    if plat.dist_backend == "gloo":
+    cp = parallel_state.get_context_parallel_world_size()
+    if plat.dist_backend == "gloo" and cp == 1:
         _HOST_GROUPS["model_parallel"] = mp_group
         return
+    mine = tuple(dist.get_process_group_ranks(mp_group))
+    if cp > 1:  # a replica: the TP x PP groups of this rank's CP peers together
+        peers: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(peers, mine, group=world)
+        cp_ranks = set(dist.get_process_group_ranks(parallel_state.get_context_parallel_group()))
+        mine = tuple(sorted({r for i, group in enumerate(peers) if i in cp_ranks for r in group}))
     everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(mp_group)), group=world)
+    dist.all_gather_object(everyone, mine, group=world)
     _HOST_GROUPS["model_parallel"], _ = dist.new_subgroups_by_enumeration(
         sorted(set(everyone)), backend="gloo", timeout=current_group_timeout()
     )

@@ -22,10 +22,13 @@ _M = TypeVar("_M")
 
 
 def counts_loss() -> bool:
-    """True on the one rank per DP replica whose loss metrics count (last stage, TP rank 0)."""
+    """True on the one rank per DP replica whose loss metrics count (last stage, TP rank 0, CP
+    rank 0: every CP rank computes the same loss from the gathered log-probs)."""
     from megatron.core import parallel_state as ps
 
-    return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    return (
+        ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    )
 
 
 def world_merged(local: _M | None, *, counts: bool) -> _M | None:

@@ -14,6 +14,11 @@ the active frozen copies (old, ref). Contract with megatron-core 0.16's schedule
   A non-last stage returns ``torch.cat(hidden, dim=1)`` (the tensor sent on); the last stage
   returns ``TriLogprobs`` (each copy's logits are reduced to per-token log-probs right away, so
   at most one copy's ``[T, V/tp]`` logits live at a time).
+- Context parallelism (megatron's CP size > 1): the stage feeds the model this CP rank's
+  per-segment zigzag slice of ``mb`` (``attention.cp_split``) with the tokens' original
+  positions, scores the response tokens whose logits it holds and all-gathers the log-probs
+  (and entropy) over the CP group, so every CP rank returns the whole micro-batch's
+  ``TriLogprobs`` and computes the same loss; the gather's backward keeps each rank's own rows.
 - Backward: the schedule backpropagates the received gradient of the concatenated output;
   the frozen slices were produced without a graph, so their gradient (zeros in the slice
   sent back by the next stage) reaches nothing, and only policy parameters get gradients.
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.attention.context import packed_attention
+from megatron_rl.attention.context_parallel import gather_rows
+from megatron_rl.attention.cp_split import CPScoring, CPSlice, cp_scoring_of, cp_slice_of
 from megatron_rl.attention.packing import PackedMicroBatch
 from megatron_rl.config.schema import AlgorithmConfig, TrainerConfig
 from megatron_rl.trimodel.logprobs import head_logprobs, hidden_states_only
@@ -138,10 +145,10 @@ class TriStage(torch.nn.Module):
     def forward(self, mb: PackedMicroBatch) -> torch.Tensor | TriLogprobs:
         """Hidden ``[T, n, h]`` on a non-last stage; ``TriLogprobs`` of ``mb`` on the last."""
         device = next(unwrap(self.policy).parameters()).device
-        ids, pos = mb.token_ids.to(device)[None], mb.position_ids.to(device)[None]
-        index, targets = mb.logit_index.to(device), mb.target_ids.to(device)
+        cp = _cp_slice(mb)
+        ids, pos, index, targets, scoring = _stage_inputs(mb, cp, device)
         outs = {}
-        with packed_attention(mb.layout):
+        with packed_attention(mb.layout, cp):
             for stream, chunk in zip(self._streams, self._inputs, strict=True):
                 module = stream.module
                 unwrap(module).set_input_tensor([chunk])  # right before its forward: a module may be shared
@@ -152,7 +159,9 @@ class TriStage(torch.nn.Module):
                         continue
                     with hidden_states_only(unwrap(module)):
                         hidden = module(ids, pos, attention_mask=None)  # [T, 1, h]
-                    outs[stream.name] = self._reduce(module, hidden[index, 0], targets, stream.frozen)
+                    outs[stream.name] = _gathered(
+                        self._reduce(module, hidden[index, 0], targets, stream.frozen), cp, scoring
+                    )
         if not self.post_process:
             return torch.cat(list(outs.values()), dim=1)
         policy_lp, policy_ent = outs["policy"]
@@ -165,6 +174,8 @@ class TriStage(torch.nn.Module):
         old replay, the reference routes itself: ``trimodel/routing.py`` says why)."""
         if not self.routing_replay or stream.name == "ref":
             return contextlib.nullcontext()
+        if _cp_slice(mb) is not None:
+            raise ValueError("algorithm.routing_replay 'rollout' is not supported with parallel.cp > 1")
         if mb.routed_experts is None:
             raise ValueError("algorithm.routing_replay is 'rollout' but a micro-batch carries no routed experts")
         from megatron_rl.trimodel.routing import replaying
@@ -183,3 +194,36 @@ class TriStage(torch.nn.Module):
             with_entropy=s.with_entropy and not frozen,
             chunk_tokens=s.logprob_chunk_tokens,
         )
+
+
+def _cp_slice(mb: PackedMicroBatch) -> CPSlice | None:
+    """This rank's context-parallel slice of ``mb``, None at CP 1."""
+    from megatron.core import parallel_state as ps
+
+    cp = ps.get_context_parallel_world_size()
+    return None if cp == 1 else cp_slice_of(mb.layout, cp, ps.get_context_parallel_rank())
+
+
+def _stage_inputs(mb: PackedMicroBatch, cp: CPSlice | None, device: torch.device):
+    """(ids [1, T_r], positions [1, T_r], scored rows [N_r], targets [N_r], CP scoring or None):
+    the whole micro-batch at CP 1, this CP rank's slice of it otherwise."""
+    ids, pos = mb.token_ids.to(device), mb.position_ids.to(device)
+    index, targets = mb.logit_index.to(device), mb.target_ids.to(device)
+    if cp is None:
+        return ids[None], pos[None], index, targets, None
+    scoring = cp_scoring_of(cp, mb.layout, mb.logit_index)
+    local = cp.local_index.to(device)
+    mine = scoring.items.index[cp.rank].to(device)
+    return ids[local][None], pos[local][None], scoring.local_rows.to(device), targets[mine], scoring
+
+
+def _gathered(pair, cp: CPSlice | None, scoring: CPScoring | None):
+    """(log-probs, entropy) of this CP rank's scored tokens -> of all N (CP group all-gather)."""
+    if cp is None:
+        return pair
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    return tuple(
+        None if x is None else gather_rows(x, scoring.items, rank=cp.rank, group=group, sum_grads=False) for x in pair
+    )
