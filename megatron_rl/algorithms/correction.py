@@ -43,6 +43,8 @@ by the weights the trainer holds (staleness 0) have a same-weights comparison: `
 passes them as ``measured``; stale tokens (stale mode, d ≥ 1) get no ratio and no measurement
 (the decoupled behaviour weight owns them; ``trainer.engine_probe`` measures the engine in
 stale mode), but δ masking, which needs only π_θ and π_behav, applies to them as to fresh ones.
+Staleness is per token: with in-flight weight updates one response spans versions
+(``Sample.token_versions``), and only its tokens of the trainer's version are measured.
 
 Non-finite behaviour log-probs (NaN / ±inf from the engine) are no measurement, and never a
 match: such a token gets δ_t = 0 like padding (it must not reach an exp), is dropped (weight 0,

@@ -8,8 +8,10 @@ gets ``environments.record_fields(record)`` (``data.instruction`` appended).
 
 Turns of all trajectories of a batch share one ``generate_stream`` call. The stream holds the
 engine, so no weight load happens inside it: every turn of a batch runs one weight version,
-which ``check_version`` (the producer's staleness schedule) checks per turn and ``Trajectory``
-asserts.
+which ``check_version`` (the producer's staleness schedule) checks per turn. Each response
+token records the version that sampled it (``turn_loop``; an observation carries its turn's
+last; ``Trajectory.token_versions`` stays None while one version sampled everything), so the
+loss would read each token's own should turns or tokens ever run different versions.
 
 A reset that failed for any of a group's trajectories (the runner's ``EnvironmentCallFailed``)
 drops that group: ``run`` yields a ``FailedGroup`` for it (after every reset of the group
