@@ -37,6 +37,7 @@ HF_OWNED = (
 MEGATRON_OWNED = {
     "tensor_model_parallel_size": "parallel.tp",
     "pipeline_model_parallel_size": "parallel.pp",
+    "context_parallel_size": "parallel.cp",
     "expert_model_parallel_size": "parallel.ep",
     "moe_aux_loss_coeff": "model.moe.aux_loss_coeff",
     "moe_z_loss_coeff": "model.moe.z_loss_coeff",

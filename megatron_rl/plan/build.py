@@ -4,9 +4,10 @@
 ``<model.hf_path>/config.json``, places ranks and engines (`layout.py`), asks the tri-model
 plan which copies run (`trimodel/plan.py`), sizes one training device (`memory.py`) and, when
 the largest stage does not fit the device (`devices.py`), searches one knob at a time
-(parallel.tp, parallel.pp, parallel.ep, parallel.distributed_optimizer, pipeline.micro_batch_tokens,
-model.megatron.recompute_granularity, and lora.rank when LoRA is off) for values that would
-fit: the refusal names them. With LoRA on, the plan also sizes the same run without it.
+(parallel.tp, parallel.pp, parallel.cp, parallel.ep, parallel.distributed_optimizer,
+pipeline.micro_batch_tokens, model.megatron.recompute_granularity, and lora.rank when LoRA is
+off) for values that would fit: the refusal names them (for parallel.cp the smallest size that
+fits and that check-config accepts). With LoRA on, the plan also sizes the same run without it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from megatron_rl.attention.backends import auto_backend
+from megatron_rl.config.cp_rules import cp_sizes
 from megatron_rl.config.schema import Config
 from megatron_rl.models.hf_config import decoder_spec_from_hf, parallel_fit, read_hf_config
 from megatron_rl.plan.devices import DeviceSpec, device_spec
@@ -78,8 +80,8 @@ def micro_batch_shape(cfg: Config, tokens: int | None = None) -> MicroBatchShape
 def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trimodel: TriModelPlan) -> MemorySettings:
     """The memory model's inputs for `cfg` on `layout`."""
     backend = cfg.attention.backend
-    if backend == "auto":
-        backend = auto_backend(device.kind)
+    if backend == "auto":  # no triton kernel under CP: flex on CUDA (attention/context_parallel.py)
+        backend = auto_backend(device.kind, triton=cfg.parallel.cp == 1)
     elif BACKEND_KIND.get(backend, device.kind) != device.kind:
         raise ValueError(
             f"attention.backend {backend!r} runs on {BACKEND_KIND[backend]} devices, not --device "
@@ -100,6 +102,7 @@ def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trim
         logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
         ep=cfg.parallel.ep,
         lora=lora_memory(cfg, trimodel),
+        cp=layout.cp,
     )
 
 
@@ -159,18 +162,21 @@ class _Knob:
     note: str = ""
 
 
-def _parallel_knobs(dims: ModelDims, s: MemorySettings, world: int) -> list[_Knob]:
-    """More tensor, pipeline or expert parallelism, or the distributed optimizer, on the same devices."""
+def _parallel_knobs(cfg: Config, dims: ModelDims, s: MemorySettings, world: int) -> list[_Knob]:
+    """More tensor, pipeline, context or expert parallelism, or the distributed optimizer, on the same devices."""
     sizes = {"num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "intermediate_size": dims.ffn}
     tps = [
         t
         for t in range(s.tp + 1, dims.heads + 1)  # keeping parallel.ep dividing the new dp
-        if world % (t * s.pp * s.ep) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None
+        if world % (t * s.pp * s.cp * s.ep) == 0 and parallel_fit(sizes, 1, t, 1)[0] is None
     ]
-    pps = [p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p * s.ep) == 0]
+    pps = [
+        p for p in range(s.pp + 1, dims.layers + 1) if dims.layers % p == 0 and world % (s.tp * p * s.cp * s.ep) == 0
+    ]
     knobs = [
-        _Knob("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp))),
-        _Knob("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p))),
+        _Knob("parallel.tp", tps, lambda t: with_changes(s, tp=t, dp=world // (t * s.pp * s.cp))),
+        _Knob("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p * s.cp))),
+        _Knob("parallel.cp", cp_sizes(cfg, world), lambda c: with_changes(s, cp=c, dp=world // (s.tp * s.pp * c))),
     ]
     if dims.moe is not None:  # more expert parallelism: fewer experts per rank (ep divides dp and experts)
         eps = [e for e in range(s.ep + 1, s.dp + 1) if s.dp % e == 0 and dims.moe.experts % e == 0]
@@ -223,14 +229,14 @@ def _activation_knobs(cfg: Config, s: MemorySettings) -> list[_Knob]:
 def _advice(cfg: Config, dims: ModelDims, s: MemorySettings, usable: int, world: int) -> list[str]:
     """One line per knob that, changed alone, brings the largest stage under `usable` bytes."""
     out: list[str] = []
-    for knob in _parallel_knobs(dims, s, world) + _activation_knobs(cfg, s) + _lora_knobs(cfg, s):
+    for knob in _parallel_knobs(cfg, dims, s, world) + _activation_knobs(cfg, s) + _lora_knobs(cfg, s):
         for v in knob.values:
             if (peak := _peak(dims, knob.change(v))) <= usable:
                 out.append(f"{knob.key}={v} fits ({peak / 2**30:.1f} GiB){knob.note}")
                 break
     if not out:
         out.append(
-            "no single knob suffices: raise parallel.tp / parallel.pp (more devices per model), enable "
+            "no single knob suffices: raise parallel.tp / parallel.pp / parallel.cp (more devices per model), enable "
             "parallel.distributed_optimizer, lower pipeline.micro_batch_tokens, or use a larger --device"
         )
     return out

@@ -13,8 +13,8 @@ Contract (what `examples/launch.sh` and `examples/launch_msrun.sh` launch):
   ranks and its engine ids must lie at or above that count. Global ranks are numbered node
   by node (torchrun's cumulative assignment; the msrun launcher computes the same
   ``RANK_BASE``).
-- The TP / PP / DP coordinates of a global rank are megatron-core's (its ``RankGenerator``,
-  order ``tp-cp-ep-dp-pp``: TP fastest). A TP group that spans two nodes works but pays the
+- The TP / CP / PP / DP coordinates of a global rank are megatron-core's (its ``RankGenerator``,
+  order ``tp-cp-ep-dp-pp``: TP fastest, then CP). A TP group that spans two nodes works but pays the
   inter-node network on every layer: the plan warns.
 """
 
@@ -36,6 +36,7 @@ class RankPlace:
     tp: int
     pp: int
     dp: int
+    cp: int = 0  # context-parallel index (parallel.cp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,7 @@ class ClusterLayout:
     pp: int
     dp: int
     ranks: tuple[RankPlace, ...]
+    cp: int = 1  # parallel.cp: ranks splitting every micro-batch's tokens (world = tp × cp × dp × pp)
     engine_devices: tuple[str, ...]  # rollout.devices: one device string per engine
     engine_nodes: tuple[int, ...]  # the node of each engine (rollout.engine_nodes, or all 0)
 
@@ -72,7 +74,20 @@ class ClusterLayout:
                     f"{sorted({r.node for r in group})}: choose parallel.tp dividing every node's ranks "
                     f"{list(self.ranks_per_node)}"
                 )
-        return out
+        return out + self._cp_warnings()
+
+    def _cp_warnings(self) -> list[str]:
+        """CP groups that span nodes (every layer all-gathers K / V over the network)."""
+        groups: dict[tuple[int, int, int], list[RankPlace]] = {}
+        for r in self.ranks if self.cp > 1 else ():
+            groups.setdefault((r.tp, r.dp, r.pp), []).append(r)
+        return [
+            f"cp group of ranks {[r.rank for r in g]} spans nodes {sorted({r.node for r in g})}: every layer "
+            "all-gathers K / V over the network; choose parallel.tp × parallel.cp dividing every node's ranks "
+            f"{list(self.ranks_per_node)}"
+            for g in groups.values()
+            if len({r.node for r in g}) > 1
+        ]
 
 
 class LayoutError(ValueError):
@@ -135,20 +150,10 @@ def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLay
             f"{nodes} node(s); raise --nodes or move those engines"
         )
     per_node = tuple(_training_ranks(cfg, node, devices_per_node) for node in range(nodes))
-    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
     world = sum(per_node)
-    if world % (tp * pp):
-        raise LayoutError(
-            f"parallel.tp ({tp}) × parallel.pp ({pp}) = {tp * pp} does not divide the {world} training "
-            f"ranks (per node {list(per_node)}); change parallel.tp / parallel.pp or the layout"
-        )
-    dp = world // (tp * pp)
-    if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
-        raise LayoutError(
-            f"parallel.dp ({cfg.parallel.dp}) ≠ {dp} = {world} training ranks / (tp × pp); "
-            f"set parallel.dp to {dp} or leave it unset"
-        )
-    coords = _coordinates(tp=tp, pp=pp, dp=dp)
+    dp = _data_parallel(cfg, world, per_node)
+    coords = _coordinates(tp=tp, pp=pp, dp=dp, cp=cp)
     places = [(node, local) for node, n in enumerate(per_node) for local in range(n)]
     ranks = tuple(RankPlace(rank=r, node=node, local_rank=local, **coords[r]) for r, (node, local) in enumerate(places))
     return ClusterLayout(
@@ -158,19 +163,41 @@ def plan_layout(cfg: Config, *, nodes: int, devices_per_node: int) -> ClusterLay
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
         ranks=ranks,
         engine_devices=tuple(cfg.rollout.devices),
         engine_nodes=placed,
     )
 
 
-def _coordinates(*, tp: int, pp: int, dp: int) -> dict[int, dict[str, int]]:
-    """Global rank -> {"tp", "pp", "dp"} index, as megatron-core's parallel state assigns them."""
+def _data_parallel(cfg: Config, world: int, per_node: tuple[int, ...]) -> int:
+    """The DP size of `world` training ranks at the config's tp × pp × cp (checked against parallel.dp)."""
+    tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
+    if world % (tp * pp * cp):
+        key, sizes = "parallel.tp", f"parallel.tp ({tp}) × parallel.pp ({pp})"
+        if cp > 1:
+            key = "parallel.cp" if world % (tp * pp) == 0 else key
+            sizes += f" × parallel.cp ({cp})"
+        raise LayoutError(
+            f"{sizes} = {tp * pp * cp} does not divide the {world} training ranks (per node "
+            f"{list(per_node)}); change {key} (parallel.tp / parallel.pp / parallel.cp) or the layout"
+        )
+    dp = world // (tp * pp * cp)
+    if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
+        raise LayoutError(
+            f"parallel.dp ({cfg.parallel.dp}) ≠ {dp} = {world} training ranks / (tp × pp × cp); "
+            f"set parallel.dp to {dp} or leave it unset"
+        )
+    return dp
+
+
+def _coordinates(*, tp: int, pp: int, dp: int, cp: int = 1) -> dict[int, dict[str, int]]:
+    """Global rank -> {"tp", "cp", "pp", "dp"} index, as megatron-core's parallel state assigns them."""
     from megatron.core.parallel_state import RankGenerator
 
-    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    out: dict[int, dict[str, int]] = {r: {} for r in range(tp * pp * dp)}
-    for name in ("tp", "pp", "dp"):
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    out: dict[int, dict[str, int]] = {r: {} for r in range(tp * pp * dp * cp)}
+    for name in ("tp", "cp", "pp", "dp"):
         for group in gen.get_ranks(name):
             for index, rank in enumerate(group):
                 out[rank][name] = index

@@ -47,6 +47,11 @@ Mixture-of-experts layers (`plan/moe_memory.py`): the routed experts' parameters
 EP × TP (the dense ones by TP, and PP by layers, as above), their gradients are reduced and
 their distributed-optimizer state sharded over the expert-data-parallel group (dp / ep); the
 MoE block's activations count the top-k routed copies of every token through the expert MLPs.
+
+Context parallelism (``parallel.cp`` = c, `plan/cp_memory.py`, where the attention core's terms
+live): T above is a rank's T / c tokens, plus each layer's all-gathered K / V of all T tokens
+(saved without recompute) and their gradients in a layer's backward; the distributed optimizer
+shards over DP × CP.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size
+from megatron_rl.plan.cp_memory import attention_core_bytes, kv_gather_bytes, rank_tokens
 from megatron_rl.plan.lora_memory import LoraMemory, layer_adapter_params
 from megatron_rl.plan.lora_memory import layer_activation_bytes as lora_activation_bytes
 from megatron_rl.plan.moe_memory import (
@@ -66,7 +72,6 @@ from megatron_rl.plan.moe_memory import (
 )
 from megatron_rl.trimodel.logprobs import head_is_chunked
 
-FLASH_BACKENDS = ("npu", "triton", "flex")  # save q, k, v, out and the log-sum-exp only
 RECOMPUTE = ("none", "selective", "full")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -142,11 +147,22 @@ class MemorySettings:
     logprob_chunk_tokens: int | None = None
     ep: int = 1  # parallel.ep: splits the routed experts (expert TP = tp, megatron's default)
     lora: LoraMemory | None = None  # lora.rank > 0: frozen base + trained adapters (`lora_memory`)
+    cp: int = 1  # parallel.cp: ranks splitting every micro-batch's tokens (`cp_memory`)
 
     @property
     def expert_dp(self) -> int:
-        """Size of the expert-data-parallel group (dp·tp ranks hold ep·tp expert shards)."""
-        return max(1, self.dp // self.ep)
+        """Size of the expert-data-parallel group (dp·cp·tp ranks hold ep·tp expert shards)."""
+        return max(1, self.dp * self.cp // self.ep)
+
+    @property
+    def tokens(self) -> int:
+        """Packed tokens one rank holds of a micro-batch (all of them at cp 1)."""
+        return rank_tokens(self.micro_batch.tokens, self.cp)
+
+    @property
+    def response_rows(self) -> int:
+        """Log-prob rows one rank scores: N, at most its tokens under CP."""
+        return min(self.micro_batch.response_tokens, self.tokens)
 
     @property
     def dtype_bytes(self) -> int:
@@ -168,6 +184,7 @@ class StageMemory:
     transient: int
     expert_params: int = 0  # of `params`, the routed experts' (EP-sharded)
     adapter_params: int = 0  # LoRA adapters of one copy on this rank (not in `params`)
+    kv_gather: int = 0  # of `activations`, the CP all-gathered K / V the stage's layers keep
 
     @property
     def total(self) -> int:
@@ -222,36 +239,10 @@ def stage_adapter_params(dims: ModelDims, settings: MemorySettings, stage: int) 
     return dense * per_dense + sparse * per_sparse
 
 
-def attention_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
-    """Saved bytes of one layer's shared-prompt attention core on one TP rank.
-
-    flash-style backends (npu / triton / flex): q, k, v, out (model dtype) and an fp32 LSE
-    row per head. ``split`` (CPU): per group part, one causal call over [prompt; longest
-    response] plus one batched call for the other K - 1 responses, whose keys are the
-    prompt's K/V gathered per response (and a dense [Lr, Lp + Lr] mask). ``reference``: the
-    dense path, plus [heads, T, T] scores and probabilities.
-    """
-    b, t, d, mb = s.dtype_bytes, s.tp, dims.head_dim, s.micro_batch
-    nq, nkv = dims.heads // t, dims.kv_heads // t
-
-    def flash(tokens: int) -> int:
-        return tokens * (2 * nq + 2 * nkv) * d * b + 4 * tokens * nq
-
-    if s.attention_backend in FLASH_BACKENDS:
-        return flash(mb.tokens)
-    if s.attention_backend == "reference":
-        return flash(mb.tokens) + 2 * nq * mb.tokens**2 * b
-    lp, lr, k = mb.prompt_len, mb.response_len, mb.responses
-    square = flash(lp + lr)
-    others = (k - 1) * (lr * 2 * nq * d * b + (lp + lr) * 2 * nkv * d * b + lr * (lp + lr) * b + 4 * lr * nq)
-    rest = max(0, mb.tokens - mb.parts * (lp + k * lr))  # budget not covered by the modelled parts
-    return mb.parts * (square + others) + flash(rest)
-
-
 def layer_activation_bytes(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> int:
     """Bytes autograd saves for one decoder layer (a MoE one when `sparse`) of one micro-batch,
     without recompute."""
-    b, t, T = s.dtype_bytes, s.tp, s.micro_batch.tokens
+    b, t, T = s.dtype_bytes, s.tp, s.tokens
     h, d, nq, nkv = dims.hidden, dims.head_dim, dims.heads, dims.kv_heads
     norms = 2 * (T * h * (8 + b) + 4 * T)
     qk = 0
@@ -271,7 +262,7 @@ def layer_activation_bytes(dims: ModelDims, s: MemorySettings, sparse: bool = Fa
 def _recomputed(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> tuple[int, int]:
     """(saved bytes per layer, extra transient bytes) under ``s.recompute``."""
     full = layer_activation_bytes(dims, s, sparse)
-    T, b = s.micro_batch.tokens, s.dtype_bytes
+    T, b = s.tokens, s.dtype_bytes
     if s.recompute == "full":  # each layer keeps its input; one layer is rebuilt during backward
         return T * dims.hidden * b, full
     if s.recompute == "selective":  # core attention rebuilt from q, k, v: its output and LSE go
@@ -284,20 +275,21 @@ def _recomputed(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> tup
 
 def backward_working_bytes(dims: ModelDims, s: MemorySettings, sparse: bool = False) -> int:
     """Gradients alive while one layer runs backward: SwiGLU intermediates (of the k routed
-    copies and the shared expert in a MoE layer) and fp32 norm upcasts."""
-    T = s.micro_batch.tokens
+    copies and the shared expert in a MoE layer), fp32 norm upcasts, and under CP the whole
+    sequence's dK / dV before their reduce-scatter."""
+    T = s.tokens
     width = sparse_mlp_width(dims.moe, s.tp) if sparse else dims.ffn // s.tp
-    return T * (3 * width * s.dtype_bytes + 8 * dims.hidden)
+    return T * (3 * width * s.dtype_bytes + 8 * dims.hidden) + kv_gather_bytes(dims, s)
 
 
 def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
     """(saved, transient) bytes of the last stage's log-prob reduction of the policy."""
     vocab = padded_vocab_size(dims.vocab, s.make_vocab_size_divisible_by, s.tp) // s.tp
-    n, b, chunk = s.micro_batch.response_tokens, s.dtype_bytes, s.logprob_chunk_tokens
+    n, b, chunk = s.response_rows, s.dtype_bytes, s.logprob_chunk_tokens
     per_row = vocab * 4 * (3 if s.entropy else 1)  # fp32 softmax (+ entropy terms) saved per scored row
     small = n * 17 + vocab  # targets, masks
     if chunk is None:  # logits of all T positions, then the N rows reduced at once
-        return n * per_row + small, s.micro_batch.tokens * vocab * b + 2 * n * vocab * 4
+        return n * per_row + small, s.tokens * vocab * b + 2 * n * vocab * 4
     if not head_is_chunked(n, chunk):  # the trainer's rule (trimodel.logprobs)
         # one pass: its fp32 softmax stays for the backward; logits + one fp32 copy pass through
         return n * dims.hidden * b + small + n * per_row, n * vocab * (b + 4)
@@ -308,17 +300,17 @@ def logprob_bytes(dims: ModelDims, s: MemorySettings) -> tuple[int, int]:
 
 def optimizer_bytes_per_param(s: MemorySettings, expert: bool = False) -> float:
     """Adam state per parameter on one rank: 2 fp32 moments (+ fp32 master for bf16), / DP if
-    sharded (/ the expert-DP size for a routed expert's parameter)."""
+    sharded over DP × CP (/ the expert-DP size for a routed expert's parameter)."""
     per = 8 + (4 if s.dtype_bytes < 4 else 0)
     if not s.distributed_optimizer:
         return per
-    return per / (s.expert_dp if expert else s.dp)
+    return per / (s.expert_dp if expert else s.dp * s.cp)
 
 
 def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
     """The memory of one rank of pipeline stage `stage` (see the module docstring)."""
     params, experts = stage_params(dims, s, stage)
-    T, h, b = s.micro_batch.tokens, dims.hidden, s.dtype_bytes
+    T, h, b = s.tokens, dims.hidden, s.dtype_bytes
     sparse = sparse_layers_of_stage(dims.moe, dims.layers, s.pp, stage)
     kinds = [
         (n, _recomputed(dims, s, kind), backward_working_bytes(dims, s, kind))
@@ -347,6 +339,7 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
         transient=max(lp_transient, layer_transient),
         expert_params=experts,
         adapter_params=stage_adapter_params(dims, s, stage),
+        kv_gather=stage_layers(dims, s.pp) * kv_gather_bytes(dims, s) if s.recompute == "none" else 0,
     )
 
 

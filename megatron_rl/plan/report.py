@@ -27,8 +27,9 @@ def layout_lines(plan: Plan) -> list[str]:
     lay = plan.layout
     counts = [len(lay.engines_on(node)) for node in range(lay.nodes)]
     pinned = "" if lay.engine_devices else ", unpinned on CPUs"
+    cp = f" × cp {lay.cp}" if lay.cp > 1 else ""
     lines = [
-        f"layout: {lay.world_size} training ranks = tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; "
+        f"layout: {lay.world_size} training ranks = tp {lay.tp}{cp} × pp {lay.pp} × dp {lay.dp}; "
         f"{len(lay.engine_nodes)} rollout engine(s){pinned}, per node {counts} (node 0's: global rank 0 "
         "starts them; node n's: its engine host, `megatron_rl serve --node-rank n`)"
     ]
@@ -38,7 +39,12 @@ def layout_lines(plan: Plan) -> list[str]:
             f"  node {node}: NPROC_PER_NODE={lay.ranks_per_node[node]}, training devices "
             f"{_ids([r.local_rank for r in ranks])}, engines {len(lay.engines_on(node))}"
         )
-        lines += [f"    device {r.local_rank}: rank {r.rank:>4}  tp {r.tp}  pp {r.pp}  dp {r.dp}" for r in ranks]
+        lines += [
+            f"    device {r.local_rank}: rank {r.rank:>4}  tp {r.tp}"
+            + (f"  cp {r.cp}" if lay.cp > 1 else "")
+            + f"  pp {r.pp}  dp {r.dp}"
+            for r in ranks
+        ]
         lines += [
             f"    engine {e}: {lay.engine_devices[e] if lay.engine_devices else 'cpu'}" for e in lay.engines_on(node)
         ]
@@ -50,7 +56,8 @@ def _term_rows(plan: Plan) -> list[tuple[str, int, str]]:
     """(term, bytes, where it comes from) for each memory term of the largest stage."""
     s, w = plan.settings, plan.worst
     mb = s.micro_batch
-    sharded = f", sharded over dp {s.dp}" + (f" (experts: expert-dp {s.expert_dp})" if w.expert_params else "")
+    over = f"dp {s.dp}" + (f" × cp {s.cp}" if s.cp > 1 else "")
+    sharded = f", sharded over {over}" + (f" (experts: expert-dp {s.expert_dp})" if w.expert_params else "")
     weights, trained = _weights_text(plan)
     return [
         ("weights", w.weights, weights),
@@ -65,21 +72,30 @@ def _term_rows(plan: Plan) -> list[tuple[str, int, str]]:
         (
             "activations",
             w.activations,
-            f"1 micro-batch of {mb.tokens} tokens, {plan.dims.layers // s.pp} layers, "
+            f"1 micro-batch of {mb.tokens} tokens{_cp_text(plan)}, {plan.dims.layers // s.pp} layers, "
             f"attention {s.attention_backend}, recompute {s.recompute}",
         ),
         (
             "log-probs",
             w.logprobs,
-            f"{mb.response_tokens} response rows: "
+            f"{s.response_rows} response rows: "
             + (
                 "fp32 softmax × vocab/tp"
-                if s.logprob_chunk_tokens is None or mb.response_tokens <= s.logprob_chunk_tokens
+                if s.logprob_chunk_tokens is None or s.response_rows <= s.logprob_chunk_tokens
                 else f"head inputs (chunks of {s.logprob_chunk_tokens} rows recomputed in backward)"
             ),
         ),
         ("transient", w.transient, "logits + fp32 copies during log-probs, or one layer's backward"),
     ]
+
+
+def _cp_text(plan: Plan) -> str:
+    """Under CP: the rank's share of the micro-batch and the all-gathered K / V its layers keep."""
+    s = plan.settings
+    if s.cp == 1:
+        return ""
+    kept = f"{plan.worst.kv_gather / GIB:.2f} GiB kept" if plan.worst.kv_gather else "rebuilt by recompute"
+    return f" / cp {s.cp} = {s.tokens} per rank (+ K/V all-gather of all tokens per layer: {kept})"
 
 
 def _weights_text(plan: Plan) -> tuple[str, str]:
@@ -142,11 +158,13 @@ def _compute_lines(plan: Plan, tflops: float | None) -> list[str]:
     tokens = plan.settings.micro_batch.tokens
     policy = 3 if plan.settings.lora is None else 2  # a frozen base computes no weight gradients
     flops = 2 * params * tokens * (policy + plan.settings.copies - 1)
-    seconds = flops / (tflops * 1e12 * plan.settings.tp * plan.settings.pp)
+    devices = plan.settings.tp * plan.settings.pp * plan.settings.cp
+    seconds = flops / (tflops * 1e12 * devices)
     return [
         f"  compute: {flops / 1e12:.1f} TFLOP per micro-batch (policy fwd+bwd{' without base wgrad' * (policy == 2)}, "
         f"frozen fwd) -> >= "
-        f"{seconds * 1e3:.0f} ms per micro-batch on tp × pp devices at {tflops:g} TFLOPS each"
+        f"{seconds * 1e3:.0f} ms per micro-batch on tp × pp{' × cp' * (plan.settings.cp > 1)} devices at "
+        f"{tflops:g} TFLOPS each"
     ]
 
 
