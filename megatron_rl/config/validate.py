@@ -21,6 +21,7 @@ from .devices import parse_device
 from .distill_rules import check_distill
 from .errors import ConfigError, Origins, Problem
 from .fields import Found
+from .in_flight_rules import check_in_flight
 from .model_shape import check_model_parallel, model_shape, read_hf_json
 from .schema import Config
 from .sections import check_fields, check_rules
@@ -265,4 +266,5 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_temperature,
     check_distill,
     check_weight_files,
+    check_in_flight,
 )

@@ -30,6 +30,7 @@ def worker_specs(settings: EngineSettings) -> list[WorkerSpec]:
             env=dict(settings.worker_env),
             backend_kwargs=dict(settings.vllm),
             return_routed_experts=settings.return_routed_experts,
+            in_flight_staleness=settings.max_staleness if settings.in_flight_updates else None,
         )
         for i, device in enumerate(devices)
     ]

@@ -77,7 +77,7 @@ def generate_results(
             if any(w.busy for w in sup.workers):
                 yield from _events(sup, call, ())
     finally:
-        drain(sup)
+        _drain_call(sup)
 
 
 def stream_results(sup: Supervisor, feed: RequestFeed, *, max_batch_size: int) -> Iterator[GenerationResult]:
@@ -99,7 +99,7 @@ def stream_results(sup: Supervisor, feed: RequestFeed, *, max_batch_size: int) -
                 _dispatch(sup.workers, call.pending, chunk)
             yield from _events(sup, call, (feed.handle,))
     finally:
-        drain(sup)
+        _drain_call(sup)
 
 
 @dataclass
@@ -135,7 +135,31 @@ def _abort(sup: Supervisor, call: _Call, aborts: AbortRequests | None) -> Iterat
 
 def _events(sup: Supervisor, call: _Call, extra: tuple) -> Iterator[GenerationResult]:
     """One wait on the busy workers (and ``extra``): handle every message, yield new results."""
-    for w, message in sup.next_events([w for w in sup.workers if w.busy], extra):
+    if sup.gate is not None:  # in-flight updates: read under the gate (rollout.in_flight)
+        yield from _gated_events(sup, call, extra)
+        return
+    yield from _handle(sup, call, sup.next_events([w for w in sup.workers if w.busy], extra))
+
+
+def _gated_events(sup: Supervisor, call: _Call, extra: tuple) -> list[GenerationResult]:
+    """``_events`` while a weight update may arrive: first what an update read for this call
+    (stashed messages, a dead worker's requests), else one wait that an update's wake-up ends."""
+    with sup.gate.reading():
+        if sup.gate.failed:
+            raise RolloutWorkerError(f"a weight update failed while this generate call ran: {sup.gate.failed}")
+        stashed, orphans = sup.gate.take()
+        call.pending.extendleft(reversed(orphans))
+        busy = [w for w in sup.workers if w.busy]
+        events = stashed or list(sup.next_events(busy, (*extra, sup.gate.wake_handle)))
+        results = list(_handle(sup, call, events))
+    for result in results:
+        sup.gate.counters.count(result)
+    return results
+
+
+def _handle(sup: Supervisor, call: _Call, events) -> Iterator[GenerationResult]:
+    """Handle ``(worker, message)`` events of one wait; yield the new results."""
+    for w, message in events:
         if message is None:
             call.deaths = sup.count_death(w, call.deaths, "generate")
             call.pending.extendleft(reversed(_take_back(w)))
@@ -143,7 +167,11 @@ def _events(sup: Supervisor, call: _Call, extra: tuple) -> Iterator[GenerationRe
         elif isinstance(message, Result):
             result = message.result
             if w.in_flight.pop(result.request_id, None) and result.request_id not in call.answered:
-                assert result.weight_version == sup.version, (result.weight_version, sup.version)
+                # in-flight updates: the first token's version, maybe older than the pool's
+                assert result.weight_version == sup.version or sup.gate is not None, (
+                    result.weight_version,
+                    sup.version,
+                )
                 call.answered.add(result.request_id)
                 yield result
         elif isinstance(message, Done):
@@ -229,11 +257,27 @@ def drain(sup: Supervisor) -> None:
     """Wait until no worker has a command outstanding, discarding what they still send.
     A worker that dies or hangs meanwhile is forgotten (``Supervisor.revive`` restarts it)."""
     while busy := [w for w in sup.workers if w.busy]:
-        for w, message in sup.next_events(busy):
-            if message is None:
-                w.reset()
-            elif isinstance(message, (Done, Failed, Loaded)):
-                w.outstanding -= 1
-                if not isinstance(message, Loaded):
-                    for rid in w.pop_chunk(message.request_ids):
-                        w.in_flight.pop(rid, None)
+        _discard(sup.next_events(busy))
+
+
+def _discard(events) -> None:
+    """``drain``'s bookkeeping of ``(worker, message)`` events: what they answered is forgotten."""
+    for w, message in events:
+        if message is None:
+            w.reset()
+        elif isinstance(message, (Done, Failed, Loaded)):
+            w.outstanding -= 1
+            if not isinstance(message, Loaded):
+                for rid in w.pop_chunk(message.request_ids):
+                    w.in_flight.pop(rid, None)
+
+
+def _drain_call(sup: Supervisor) -> None:
+    """``drain`` at the end of a call; with in-flight updates, under the gate, after what an
+    update read for the call (``rollout.in_flight``)."""
+    if sup.gate is None:
+        drain(sup)
+        return
+    with sup.gate.reading():
+        _discard(sup.gate.take()[0])
+        drain(sup)

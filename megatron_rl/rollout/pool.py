@@ -22,6 +22,9 @@ Contract:
   always carry the version they were sampled with.
 - ``score(requests)``: prefill-only log-probs of given tokens (``rollout.scoring``, dispatched by
   ``score_dispatch``), in request order, with the version that scored them.
+- With in-flight updates (``rollout.in_flight``: the specs' ``in_flight_staleness``) an update
+  does not wait for the generate call in progress: it reaches the running requests, which carry
+  on at the new version (``GenerationResult.token_versions``); ``partial_metrics`` counts that.
 - ``generate`` and the updates may come from different threads (stale mode: the producer
   generates batch t+1 while the trainer syncs version t+1): an update waits for the
   generate call in progress (a lock), so every batch runs on one version. That lock has no
@@ -36,10 +39,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.dispatch import AbortRequests, generate_results, stream_results
 from megatron_rl.rollout.feed import RequestFeed
+from megatron_rl.rollout.in_flight import UpdateGate
 from megatron_rl.rollout.score_dispatch import score_results
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult, check_unique, in_request_order
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerStatus, stop_supervised
@@ -81,6 +86,7 @@ class WorkerPool:
             version=initial_version,
         )
         self._sync = Delivery(self._sup, group_backend=sync_backend, address=sync_address)
+        self._sup.gate = _update_gate(specs)
         self._max_batch_size = max_batch_size
         self._lock = threading.RLock()
         self._active: int | None = None  # thread id of the generate() iteration in progress
@@ -133,7 +139,7 @@ class WorkerPool:
         order (``rollout.scoring``); waits for a generate call in progress, like ``load_weights``."""
         check_unique(requests)
         self._check_idle("score")
-        with self._lock:
+        with self._lock, self._reading():
             self._prepare("score")
             return in_request_order(score_results(self._sup, requests), requests)
 
@@ -143,9 +149,18 @@ class WorkerPool:
         if not isinstance(update, WeightUpdate):
             raise TypeError(f"load_weights: expected a weight_sync.WeightUpdate, got {type(update).__name__}")
         self._check_version(version, update.partial)
+        if self._sup.gate is not None:  # in-flight updates: no wait for the generate call (rollout.in_flight)
+            self._check_idle("load_weights")
+            with self._sup.gate.updating():
+                self._sync.load(update, version)
+            return
         with self._lock:
             self._prepare("load_weights")
             self._sync.load(update, version)
+
+    def partial_metrics(self) -> dict[str, float]:
+        """``partial/*``: what in-flight updates did since the last call ({} when they are off)."""
+        return self._sup.gate.counters.metrics() if self._sup.gate is not None else {}
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent)."""
@@ -153,7 +168,8 @@ class WorkerPool:
 
     def _generate(self, requests: list[GenerationRequest] | RequestFeed) -> Iterator[GenerationResult]:
         with self._lock:
-            self._prepare("generate")
+            with self._reading():
+                self._prepare("generate")
             self._active = threading.get_ident()
             try:
                 if isinstance(requests, RequestFeed):
@@ -165,6 +181,10 @@ class WorkerPool:
                     )
             finally:
                 self._active = None
+
+    def _reading(self) -> AbstractContextManager:
+        """With in-flight updates, the gate's reading side (``rollout.in_flight``); else nothing."""
+        return self._sup.gate.reading() if self._sup.gate is not None else nullcontext()
 
     def _prepare(self, what: str) -> None:
         """Under the lock: refuse a closed or broken pool; restart workers that died idle."""
@@ -184,3 +204,12 @@ class WorkerPool:
         # would deadlock, so it is an error.
         if self._active == threading.get_ident():
             raise RuntimeError(f"{what}: a generate() iterator of this engine is still open; exhaust or close it")
+
+
+def _update_gate(specs: Sequence[WorkerSpec]) -> UpdateGate | None:
+    """The gate of in-flight updates when the workers take them (``WorkerSpec.in_flight_staleness``)."""
+    staleness = {s.in_flight_staleness for s in specs}
+    if len(staleness) != 1:
+        raise ValueError(f"workers disagree on in_flight_staleness: {sorted(staleness, key=str)}")
+    (k,) = staleness
+    return None if k is None else UpdateGate(k)

@@ -30,6 +30,9 @@ class EngineSettings(RolloutConfig):
     worker_env: Mapping[str, str] = field(default_factory=dict)  # extra environment of the worker processes
     return_routed_experts: bool = False  # algorithm.routing_replay 'rollout': engines return MoE routes
     initial_version: int = 0  # the version of the weights at model_path: a resumed checkpoint's step
+    # pipeline.max_staleness: with in_flight_updates, an update restarts a request that started more
+    # versions back than this (rollout.in_flight)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         require_valid(self, "rollout")

@@ -11,7 +11,9 @@ the next: a turn submitted while a long chunk decodes waits for the whole chunk.
   ``Done(request_ids)`` as soon as its last request was answered, so Dones come out of order
   (the pool matches them by their ids);
 - Receive and Score commands run only with the engine idle (the pool never sends them while a
-  Generate is outstanding; one that does arrive waits until the batch has drained);
+  Generate is outstanding; one that does arrive waits until the batch has drained), but for a
+  backend with in-flight updates on (``rollout.in_flight``), which loads a Receive between two
+  steps: the running requests are paused, the update loaded, and they resume at the new version;
 - an engine error fails every command in flight (one ``Failed`` each) and aborts its requests;
 - an ``Abort(ids)`` is handled as soon as it is read (between steps): the backend drops those
   still running or waiting (``abort``) and each is answered by its ``"abort"`` result, then its
@@ -29,7 +31,17 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
-from megatron_rl.rollout.worker import Abort, Done, Failed, Generate, Result, Stop, WorkerBackend, handle_command
+from megatron_rl.rollout.worker import (
+    Abort,
+    Done,
+    Failed,
+    Generate,
+    Receive,
+    Result,
+    Stop,
+    WorkerBackend,
+    handle_command,
+)
 
 
 class StreamingBackend(WorkerBackend, Protocol):
@@ -99,12 +111,28 @@ def serve_stream(backend: StreamingBackend, conn, version: int, receivers: dict)
                 _submit(backend, conn, command, version, open_)
             elif isinstance(command, Abort):
                 _abort(backend, conn, command, open_)
+            elif _loads_now(backend, command):
+                version = _load_in_flight(backend, conn, command, version, receivers)
             else:
                 deferred.append(command)
         if backend.has_unfinished():
             _step(backend, conn, open_)
         while deferred and not backend.has_unfinished():
             version = handle_command(backend, conn, deferred.popleft(), version, receivers)
+
+
+def _loads_now(backend: StreamingBackend, command: object) -> bool:
+    """A Receive with requests running and in-flight updates on (``rollout.in_flight``)."""
+    on = getattr(backend, "in_flight_staleness", None) is not None
+    return on and isinstance(command, Receive) and backend.has_unfinished()
+
+
+def _load_in_flight(backend, conn, command: Receive, version: int, receivers: dict) -> int:
+    """Pause the running requests, load ``command``, resume them (``rollout.in_flight``)."""
+    from megatron_rl.rollout.in_flight import load_between_steps
+    from megatron_rl.rollout.worker import receive_load
+
+    return load_between_steps(backend, conn, command, version, lambda b, load: receive_load(b, load, receivers))
 
 
 def _read(conn, *, block: bool) -> list:

@@ -182,6 +182,7 @@ class Supervisor:
         self.version = version  # of the weights every worker runs (start_load, or model_path at first)
         self.on_restart: Callable[[WorkerHandle], None] | None = None  # e.g. give it broadcast weights
         self.closed = threading.Event()  # set by stop_all: nothing is (re)started afterwards
+        self.gate = None  # rollout.in_flight.UpdateGate with in-flight updates on: who reads the pipes
 
     def start_all(self) -> None:
         for w in self.workers:

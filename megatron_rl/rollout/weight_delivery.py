@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from megatron_rl.rollout.dispatch import drain
 from megatron_rl.rollout.supervision import RolloutWorkerError, Supervisor, WorkerHandle
-from megatron_rl.rollout.worker import Failed, Loaded, Receive
+from megatron_rl.rollout.worker import Done, Failed, Loaded, Receive, Result
 from megatron_rl.weight_sync import WeightUpdate
 
 
@@ -94,8 +94,12 @@ class Delivery:
         deaths, restarted, failed, waiting = 0, [], [], set(commands)
         while waiting:
             for w, message in self._sup.next_events(list(waiting)):
-                if message is None:
+                if self._sup.gate is not None and _for_generate(w, message):  # rollout.in_flight
+                    self._sup.gate.stash(w, message)
+                elif message is None:
                     deaths = self._sup.count_death(w, deaths, what)
+                    if self._sup.gate is not None:  # its requests go back to the generate call
+                        self._sup.gate.orphan(list(w.in_flight.values()))
                     w.reset()
                     waiting.discard(w)
                     self._sup.restart(w)
@@ -105,6 +109,8 @@ class Delivery:
                     waiting.discard(w)
                     if isinstance(message, Failed):
                         failed.append(f"rollout worker {w.spec.index} failed to {what}:\n{message.error}")
+                    elif self._sup.gate is not None:
+                        self._sup.gate.counters.stale_restarts += message.stale_restarts
         return restarted, failed
 
     def fail(self, message: str, cause: BaseException | None) -> None:
@@ -114,6 +120,14 @@ class Delivery:
 
     def give_up(self, message: str) -> None:
         raise RolloutWorkerError(message)
+
+
+def _for_generate(w: WorkerHandle, message: object) -> bool:
+    """In-flight updates: a message of the generate call in progress, read by an update
+    (a Result, a Done, or a Failed naming requests the worker still holds)."""
+    if isinstance(message, (Result, Done)):
+        return True
+    return isinstance(message, Failed) and any(rid in w.in_flight for rid in message.request_ids)
 
 
 def _run_collective(collective: Callable[[], None] | None, commands: dict, timeout_s: float) -> RuntimeError | None:

@@ -23,6 +23,11 @@ its engine step by step instead (``stream_worker.serve_stream``): Generate comma
 meanwhile join the running batch, each Result leaves as soon as its request finishes, and a
 command's Done as soon as its last request did, so Dones may come out of order.
 
+With in-flight updates (``WorkerSpec.in_flight_staleness``, ``rollout.in_flight``) a ``Receive`` that
+arrives while requests run is loaded between two decode steps (hf: ``HFBackend.between_steps``;
+streaming: ``stream_worker``), answered by ``Loaded`` at once, and the requests carry on at the new
+version.
+
 ``Receive`` carries a ``weight_sync.WorkerLoad``; the worker hands it to the receiver of its
 transport (``weight_sync.build_receiver``, one per transport, kept for the worker's life),
 which feeds HF-named tensors to the backend's ``load_tensors``. A worker started after a sync
@@ -85,6 +90,9 @@ class WorkerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     backend_kwargs: Mapping[str, Any] = field(default_factory=dict)
     return_routed_experts: bool = False  # MoE: return each forwarded token's experts (routing replay)
+    # rollout.in_flight_updates: updates are loaded between decode steps, requests started more than
+    # this many versions back restart (rollout.in_flight); None: updates only while idle
+    in_flight_staleness: int | None = None
 
 
 class WorkerBackend(Protocol):
@@ -155,6 +163,7 @@ class Done:
 @dataclass(frozen=True)
 class Loaded:
     version: int
+    stale_restarts: int = 0  # in-flight update: requests restarted by the bounded-staleness rule
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,7 @@ def worker_main(spec: WorkerSpec, conn, start_load, version: int) -> None:
     try:
         backend = build_backend(spec)
         if start_load is not None:
-            _receive(backend, start_load, receivers)
+            receive_load(backend, start_load, receivers)
     except Exception:  # reported to the parent, which raises it there
         conn.send(Failed((), traceback.format_exc()))
         return
@@ -203,7 +212,7 @@ def worker_main(spec: WorkerSpec, conn, start_load, version: int) -> None:
     _serve(backend, conn, version, receivers)
 
 
-def _receive(backend: WorkerBackend, load, receivers: dict) -> None:
+def receive_load(backend: WorkerBackend, load, receivers: dict) -> None:
     """Hand ``load`` to the receiver of its transport (built on first use, then kept)."""
     from megatron_rl.weight_sync import build_receiver
     from megatron_rl.weight_sync.buckets import one_copy_thread
@@ -219,6 +228,7 @@ def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
     inbox = AbortInbox(conn)
     if hasattr(backend, "between_steps"):  # hf: Aborts are read between decode steps
         backend.between_steps = inbox.poll
+    loads = _InFlightPoll(backend, inbox, conn, receivers, version) if _in_flight(backend) else None
     while True:
         try:
             command = inbox.recv()
@@ -230,6 +240,40 @@ def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
             _generate_unaborted(backend, conn, command, version, inbox.aborted)
         else:
             version = handle_command(backend, conn, command, version, receivers)
+        version = loads.sync(version) if loads is not None else version
+
+
+def _in_flight(backend: WorkerBackend) -> bool:
+    """Whether ``backend`` takes weight updates between decode steps (``rollout.in_flight``)."""
+    return getattr(backend, "in_flight_staleness", None) is not None and hasattr(backend, "between_steps")
+
+
+class _InFlightPoll:
+    """A chunked worker's in-flight updates (``rollout.in_flight``): between two decode steps the
+    Receives waiting on the pipe are loaded at once (Aborts are read as before); ``version`` is
+    the version the worker runs."""
+
+    def __init__(self, backend, inbox: AbortInbox, conn, receivers: dict, version: int) -> None:
+        self._backend, self._inbox, self._conn, self._receivers = backend, inbox, conn, receivers
+        self.version = version
+        backend.between_steps = self.poll
+
+    def poll(self) -> set[str]:
+        """``AbortInbox.poll``, loading the Receives read meanwhile."""
+        from megatron_rl.rollout.in_flight import load_between_steps
+
+        aborted = self._inbox.poll()
+        for command in [c for c in self._inbox._waiting if isinstance(c, Receive)]:
+            self._inbox._waiting.remove(command)
+            self.version = load_between_steps(
+                self._backend, self._conn, command, self.version, lambda b, load: receive_load(b, load, self._receivers)
+            )
+        return aborted
+
+    def sync(self, version: int) -> int:
+        """After a command: the newer of ``version`` and what was loaded during it."""
+        self.version = max(self.version, version)
+        return self.version
 
 
 def aborted_result(request: GenerationRequest, version: int) -> GenerationResult:
@@ -292,7 +336,7 @@ def handle_command(backend: WorkerBackend, conn, command: object, version: int, 
     version the worker runs afterwards."""
     if isinstance(command, Receive):
         try:
-            _receive(backend, command.load, receivers)
+            receive_load(backend, command.load, receivers)
         except Exception:
             conn.send(Failed((), traceback.format_exc()))
             return version

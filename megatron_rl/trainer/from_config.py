@@ -82,6 +82,7 @@ def engine_settings(cfg: Config, *, model_path: str | None = None, initial_versi
         model_dtype=cfg.model.dtype,
         return_routed_experts=cfg.algorithm.routing_replay == "rollout",
         initial_version=initial_version,
+        max_staleness=cfg.pipeline.max_staleness,
     )
 
 

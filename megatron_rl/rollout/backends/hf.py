@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from megatron_rl.rollout.backends.hf_experts import model_slot
+from megatron_rl.rollout.backends.hf_in_flight import HFInFlight
 from megatron_rl.rollout.backends.hf_routes import RouteRecorder
 from megatron_rl.rollout.sampling import sample_next
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
@@ -47,6 +48,9 @@ class HFBackend:
         self._seeds = torch.Generator().manual_seed(spec.seed)  # for requests without a seed
         # algorithm.routing_replay: record the experts every forwarded token was routed to.
         self._routes = RouteRecorder(self._model) if spec.return_routed_experts else None
+        # rollout.in_flight_updates: updates land between decode steps (rollout.in_flight)
+        self.in_flight_staleness = spec.in_flight_staleness
+        self._flight = HFInFlight()
 
     @property
     def device(self) -> torch.device:
@@ -79,15 +83,18 @@ class HFBackend:
     def generate(self, requests: Sequence[GenerationRequest], weight_version: int) -> Iterator[GenerationResult]:
         """Decode ``requests`` as one batch; yield each result as soon as its row finishes."""
         routes: list[list[torch.Tensor]] = [[] for _ in requests]  # per request: [n, layers, top_k] chunks
+        self._flight.start(weight_version, len(requests))
         for row, tokens, logprobs, reason in self._decode(requests, routes):
             r = requests[row]
+            first, versions = self._flight.token_versions(row, weight_version, self.in_flight_staleness)
             yield GenerationResult(
+                token_versions=versions,
                 request_id=r.request_id,
                 prompt_ids=r.prompt_ids,
                 response_ids=tuple(tokens),
                 logprobs=tuple(logprobs),
                 finish_reason=reason,
-                weight_version=weight_version,
+                weight_version=first,
                 routed_experts=RoutedExperts(torch.cat(routes[row]).numpy()) if self._routes else None,
             )
 
@@ -121,6 +128,30 @@ class HFBackend:
                 routes[i].append(prefill[i, prompt_len - len(r.prompt_ids) :])
         return out.past_key_values, out.logits[:, -1], positions[:, -1] + 1, mask
 
+    def pause(self) -> None:
+        """In-flight update (``rollout.in_flight``): nothing to do, it lands between decode steps."""
+
+    def resume(self, version: int) -> int:
+        """Decode on at ``version``: the live rows are prefilled again before the next step
+        (``_refill``); returns how many restart (bounded staleness)."""
+        return self._flight.update(version, self.in_flight_staleness)
+
+    def _refill(self, requests: Sequence[GenerationRequest], rows: list[int], responses: list, logprobs: list):
+        """After an in-flight update: the KV cache of ``rows`` recomputed with the new weights
+        (prompt + tokens so far; a too-stale row restarts from its prompt); as ``_prefill``."""
+        for i in self._flight.restart(rows):
+            responses[i].clear()
+            logprobs[i].clear()
+        extended = [
+            GenerationRequest(
+                request_id=requests[i].request_id,
+                prompt_ids=requests[i].prompt_ids + tuple(responses[i]),
+                sampling=requests[i].sampling,
+            )
+            for i in rows
+        ]
+        return self._prefill(extended, [[] for _ in rows])
+
     def _aborted_now(self, requests: Sequence[GenerationRequest]) -> set[str]:
         """Ids of ``requests`` an Abort named so far (``between_steps``, set by the worker)."""
         if self.between_steps is None:
@@ -143,10 +174,12 @@ class HFBackend:
         while True:
             uniforms = torch.stack([torch.rand((), generator=generators[i]) for i in rows]).to(self._device)
             tokens, lps = sample_next(logits, temperature[rows], top_p[rows], uniforms)
+            sampled_by = self._flight.now(rows)  # before between_steps may load an update
             keep, aborted = [], self._aborted_now(requests)
             for j, (i, token, lp) in enumerate(zip(rows, tokens.tolist(), lps.tolist(), strict=True)):
                 responses[i].append(token)
                 logprobs[i].append(lp)
+                self._flight.versions[i].append(sampled_by)
                 reason = _end_reason(requests[i], token, len(responses[i]), aborted)
                 if reason is not None:
                     yield i, responses[i], logprobs[i], reason
@@ -159,19 +192,27 @@ class HFBackend:
                 cache.batch_select_indices(index)
                 tokens, mask, next_pos = tokens[index], mask[index], next_pos[index]
                 rows = [rows[j] for j in keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            out = self._model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
-            if self._routes is not None:
-                step_routes = self._routes.take(len(rows), 1)
-                for j, i in enumerate(rows):
-                    routes[i].append(step_routes[j])
+            if self._flight.version != sampled_by:  # an update was loaded: prefill the rows again
+                cache, logits, next_pos, mask = self._refill(requests, rows, responses, logprobs)
+                continue
+            cache, logits, next_pos, mask = self._forward_step(tokens, cache, next_pos, mask, rows=rows, routes=routes)
+
+    def _forward_step(self, tokens, cache, next_pos, mask, *, rows: list[int], routes: list[list[torch.Tensor]]):
+        """One decode step: ``tokens [B]`` (the live ``rows``) through the model with the KV cache;
+        (cache, logits [B, V], next positions, attention mask); routes recorded when on."""
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+        out = self._model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        if self._routes is not None:
+            step_routes = self._routes.take(len(rows), 1)
+            for j, i in enumerate(rows):
+                routes[i].append(step_routes[j])
+        return out.past_key_values, out.logits[:, -1], next_pos + 1, mask
 
 
 def _end_reason(request: GenerationRequest, token: int, length: int, aborted: set[str]) -> str | None:

@@ -27,6 +27,9 @@ against). Choices:
   A partial update (``weight_sync.is_partial``: LoRA's merged layers) loads its tensors and keeps
   every other weight: ``load_weights`` touches only what it is given, and ``reload_weights``
   (vLLM 0.32's layerwise reload) puts a layer that got no tensor back as it was.
+- In-flight updates (``rollout.in_flight``, ``spec.in_flight_staleness``): ``pause`` takes the running
+  requests out of the engine with their tokens so far, ``resume`` adds them back with those tokens
+  as prompt (the KV cache recomputed with the new weights); ``rollout.backends.vllm_in_flight``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from functools import partial
 
 from megatron_rl.rollout.backends.vllm_api import engine_family
+from megatron_rl.rollout.backends.vllm_in_flight import VLLMInFlight
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
 from megatron_rl.rollout.worker import WorkerSpec, aborted_result
@@ -56,6 +60,10 @@ class VLLMBackend:
             raise ValueError(f"rollout.vllm may not set {reserved}: the engine sets them itself")
         self._device_kind, self._tp = spec.device.kind, spec.tensor_parallel_size
         self._pending: dict[str, tuple[GenerationRequest, int]] = {}  # engine id -> (request, version)
+        # rollout.in_flight_updates: updates land between engine steps (rollout.in_flight)
+        self.in_flight_staleness = spec.in_flight_staleness
+        self._flight = VLLMInFlight()
+        self._paused: list = []  # rollout.backends.vllm_in_flight.Paused, between pause and resume
         # every vLLM call goes through the family's adaptor: environment, LLM options, reloads
         self._engine = engine_family(spec.device.kind).start(spec, spec.backend_kwargs)
 
@@ -131,10 +139,35 @@ class VLLMBackend:
         """One engine step; the results of the requests it finished."""
         done = []
         for out in self._engine.step():
+            engine_id = _internal_id(out, self._pending)
             if out.finished:
-                r, version = self._pending.pop(_internal_id(out, self._pending))
-                done.append(_result(r, out, version))
+                r, version = self._pending.pop(engine_id)
+                done.append(self._flight.finish(engine_id, _result(r, out, version)))
+            elif self.in_flight_staleness is not None:  # its tokens so far, should an update pause it
+                self._flight.latest[engine_id] = out
         return done
+
+    def pause(self) -> None:
+        """In-flight update (``rollout.in_flight``): take every running request out of the engine,
+        keeping its tokens and log-probs so far."""
+        self._paused = self._flight.paused(self._pending)
+        if self._pending:
+            self._engine.abort(list(self._pending))
+            self._pending.clear()
+
+    def resume(self, version: int) -> int:
+        """Add the paused requests again at ``version`` (prompt + tokens so far, prefilled with the
+        new weights); returns how many restart from their prompt (bounded staleness)."""
+        restarted = 0
+        for p in self._paused:
+            request, first, carried = self._flight.resumed(p, version, self.in_flight_staleness or 0)
+            restarted += bool(p.carried.tokens) and carried is None
+            engine_id = self._engine.add_request(request.request_id, request.prompt_ids, _params(request))
+            self._pending[engine_id] = (p.request, first)
+            if carried is not None:
+                self._flight.carried[engine_id] = carried
+        self._paused = []
+        return restarted
 
     def has_unfinished(self) -> bool:
         """Whether a submitted request is still running or waiting."""
