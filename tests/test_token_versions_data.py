@@ -205,3 +205,26 @@ def test_multi_turn_tokens_carry_their_turns_version():
     assert between.token_versions == (3, 3, 3, 3, 4, 4)
     one = _multi_turn([_result(0, (5,), 4), _result(1, (8,), 4)])
     assert one.token_versions is None  # one version throughout: the records' default
+
+
+def test_agent_trajectories_carry_each_tokens_version():
+    """Gateway sessions: an observation carries the version before it, the prompt's rest (after
+    the group's shared prefix) the first turn's."""
+    from megatron_rl.gateway.session import Branch, Plan, Session
+    from megatron_rl.generation.agent import Outcome, _trajectory
+
+    session = Session(key="0/p/0", codec=None, max_total_tokens=100, seed_of=int)
+    branch = Branch(prompt_ids=(1, 2), tools_key="")
+    turns = [(Plan(branch=branch, observation=(), new=True, messages=()), _result(0, (5, 6), 3, (3, 4)))]
+    turns.append((Plan(branch=branch, observation=(90, 91), new=False, messages=()), _result(1, (8,), 5)))
+    for plan, result in turns:
+        session.commit(plan, result=result, text="x", assistant={"role": "assistant", "content": "x"}, closed_turn=True)
+    assert branch.ids == [5, 6, 90, 91, 8] and branch.token_versions == [3, 4, 4, 4, 5]
+    out = _trajectory(session, Outcome(), prompt=(1,), p=0, k=0)
+    assert out.response_ids == (2, 5, 6, 90, 91, 8) and out.token_versions == (3, 3, 4, 4, 4, 5)
+    one = Session(key="0/p/1", codec=None, max_total_tokens=100, seed_of=int)
+    plan = Plan(branch=Branch(prompt_ids=(1, 2), tools_key=""), observation=(), new=True, messages=())
+    one.commit(
+        plan, result=_result(0, (5,), 4), text="x", assistant={"role": "assistant", "content": "x"}, closed_turn=True
+    )
+    assert _trajectory(one, Outcome(), prompt=(1,), p=0, k=0).token_versions is None

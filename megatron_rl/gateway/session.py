@@ -68,6 +68,8 @@ class Branch:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # the version that sampled each of ``ids``; an observation carries the version before it
+    token_versions: list[int] = field(default_factory=list)
     closed_turn: bool = True  # the last model turn sampled the end-of-turn token
     last_text: str = ""
     finish_reason: str = "stop"
@@ -145,6 +147,9 @@ class Session:
         b = plan.branch
         if plan.new:
             self.branches.append(b)
+        before = b.token_versions[-1] if b.token_versions else result.weight_version
+        b.token_versions += [before] * len(plan.observation)
+        b.token_versions += result.token_versions or [result.weight_version] * len(result.response_ids)
         b.ids += plan.observation
         b.mask += [0] * len(plan.observation)
         b.logprobs += [0.0] * len(plan.observation)

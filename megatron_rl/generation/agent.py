@@ -220,6 +220,7 @@ def _trajectory(session: Session, outcome: Outcome, *, prompt: tuple[int, ...], 
     """A session's last branch as a trajectory after the group's shared ``prompt``."""
     b = session.current
     extra = b.prompt_ids[len(prompt) :]
+    versions = (b.versions[0],) * len(extra) + tuple(b.token_versions)  # the prompt's rest: the first turn's
     return Trajectory(
         request_id=session.key,
         prompt_index=p,
@@ -229,6 +230,7 @@ def _trajectory(session: Session, outcome: Outcome, *, prompt: tuple[int, ...], 
         loss_mask=(0,) * len(extra) + tuple(b.mask),
         behav_logprobs=(0.0,) * len(extra) + tuple(b.logprobs),
         turn_versions=tuple(b.versions),
+        token_versions=versions if len(set(versions)) > 1 else None,
         finish_reason=b.finish_reason,
         last_text=b.last_text,
         truncated=b.finish_reason == "length",
