@@ -57,6 +57,7 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.adam_beta1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "trainer.adam_beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "algorithm.clip.low": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "algorithm.oversample": (lambda v: v >= 1, "must be >= 1 (1: no over-sampling)"),
     "algorithm.behav_weight_cap": (lambda v: v > 1, "must be > 1 (a cap on π_prox/π_behav), or null for no cap"),
     # the streaming pipeline scores each group as it completes; refused before launch
     "algorithm.advantage.scale": (

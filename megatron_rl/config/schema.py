@@ -177,6 +177,9 @@ class AlgorithmConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)  # advantage estimator
     clip: ClipConfig = field(default_factory=ClipConfig)  # ratio clipping
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    # DAPO over-sampling (with dynamic_sampling): draw ceil(prompts_per_batch x oversample) prompts,
+    # train the first prompts_per_batch kept groups in prompt order, abort the rest once decided; 1 = off
+    oversample: float = 1.0
     overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO length penalty
     proximal: ProximalMode = "recompute"  # decoupled PPO proximal policy (A-3PO = loglinear)
     behav_weight_cap: float | None = None  # decoupled PPO: cap on π_prox/π_behav; None = no cap

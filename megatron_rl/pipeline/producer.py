@@ -14,7 +14,10 @@ Per batch i (step = start_step + i) the thread
    prompt's G samples are scored (``records.sample_from``), shapes the rewards (DAPO overlong:
    the generator says what it measures), computes the group's advantages and dynamic-sampling
    verdict and puts the ``ScoredGroup`` on the bounded queue (blocking while it is full);
-   ``BatchEnd.reward_s`` is the time this thread spent in or waiting for rewards,
+   ``BatchEnd.reward_s`` is the time this thread spent in or waiting for rewards; with DAPO
+   over-sampling (``GroupScoring.target_groups``, ``pipeline.oversample``) a group is put once it
+   is known whether it is among the batch's first target kept groups, and the prompts that cannot
+   be are aborted in the engine (``WorkerPool.abort``; their late results are ignored),
 5. after the last group, lets the controller observe the batch's response lengths and puts a
    ``BatchEnd`` carrying the controller's metrics and state.
 
@@ -41,6 +44,7 @@ from typing import Any, Protocol
 
 from megatron_rl.control import GroupSizeController
 from megatron_rl.generation.base import BatchRequest, FailedGroup, Generator, PromptItem, Trajectory
+from megatron_rl.pipeline.oversample import ABORTED, DROPPED, Oversampler
 from megatron_rl.pipeline.records import (
     BatchEnd,
     BatchStart,
@@ -107,6 +111,8 @@ class _PendingBatch:
     where: dict[str, tuple[int, int]]  # request id -> (prompt index, k), removed when answered
     slots: list[list[Sample | None]]
     dropped: int = 0
+    oversample: Oversampler | None = None  # DAPO over-sampling of this batch (pipeline.oversample)
+    aborted: set[str] = field(default_factory=set)  # request ids aborted: their results are ignored
     scoring: list[tuple[int, int, Trajectory, Future]] = field(default_factory=list)  # (p, k, trajectory, reward)
 
     @property
@@ -211,6 +217,9 @@ class Producer:
         state_fn = getattr(prompts, "state_dict", None)
         request = BatchRequest(step=self._steps.steps[i], items=items, group_size=group_size, base_seed=self._seed)
         batch = self._new_batch(request, state_fn() if callable(state_fn) else None)
+        target = self._inputs.scoring.target_groups
+        if target is not None and target < len(items):
+            batch.oversample = Oversampler(target=target, num_prompts=len(items))
         self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
         return batch
 
@@ -246,7 +255,7 @@ class Producer:
                 source_state=batch.source_state,
                 generation_s=generation_s,
                 reward_s=self._reward_s,
-                control_metrics=dict(controller.metrics()),
+                control_metrics={**controller.metrics(), **(batch.oversample.metrics() if batch.oversample else {})},
                 controller_state=controller.state_dict(),
                 distill_metrics={} if self._inputs.teacher is None else self._inputs.teacher.batch_metrics(),
             )
@@ -259,10 +268,16 @@ class Producer:
         for k in range(batch.group_size):
             if batch.where.pop(batch.request.request_id(p, k), None) is None:
                 raise RuntimeError(f"failed group {failed.base!r}: trajectory {k} was already answered")
-        self._put(failed_group(step=batch.step, prompt_index=p, prompt_id=record.prompt_id))
+        group = failed_group(step=batch.step, prompt_index=p, prompt_id=record.prompt_id)
+        if batch.oversample is None:
+            self._put(group)
+        else:
+            self._emit(batch, group)
 
     def _accept(self, batch: _PendingBatch, trajectory: Trajectory) -> None:
         """Check one trajectory and submit its reward; put the groups scored so far (``_harvest``)."""
+        if trajectory.request_id in batch.aborted:  # over-sampling: answered after (or by) its abort
+            return
         if trajectory.request_id not in batch.where:
             raise RuntimeError(f"the generator yielded an unknown or duplicate trajectory {trajectory.request_id!r}")
         p, k = batch.where.pop(trajectory.request_id)
@@ -307,14 +322,40 @@ class Producer:
 
     def _place(self, batch: _PendingBatch, p: int, k: int, sample: Sample) -> None:
         """Store one scored sample; put its group on the queue if it completed the group."""
+        if batch.oversample is not None and batch.oversample.state[p] == ABORTED:
+            return
         batch.slots[p][k] = sample
         if all(s is not None for s in batch.slots[p]):
-            group = self._score(batch.step, p, batch.slots[p])
+            self._emit(batch, self._score(batch.step, p, batch.slots[p]))
+
+    def _emit(self, batch: _PendingBatch, group: ScoredGroup) -> None:
+        """Put a finished group, or with over-sampling hand it over and put / abort what is decided."""
+        if batch.oversample is None:
             batch.dropped += not group.kept
-            if self._inputs.teacher is None:
-                self._put(group)
-            else:  # on-policy distillation: put once the teacher has scored it (_accept, _drain_teacher)
-                self._inputs.teacher.submit(group)
+            self._put_group(group)
+            return
+        batch.oversample.finished(group)
+        settled = batch.oversample.settle()
+        for p in settled.abort:
+            self._abort_prompt(batch, p)
+        for decided in settled.groups:
+            self._put_group(decided)
+        batch.dropped = batch.oversample.state.count(DROPPED)
+
+    def _put_group(self, group: ScoredGroup) -> None:
+        if self._inputs.teacher is None:
+            self._put(group)
+        else:  # on-policy distillation: put once the teacher has scored it (_accept, _drain_teacher)
+            self._inputs.teacher.submit(group)
+
+    def _abort_prompt(self, batch: _PendingBatch, p: int) -> None:
+        """Over-sampling: abort prompt ``p``'s unanswered requests; put it as an empty, not-kept group."""
+        ids = [rid for k in range(batch.group_size) if (rid := batch.request.request_id(p, k)) in batch.where]
+        for rid in ids:
+            del batch.where[rid]
+        batch.aborted.update(ids)
+        self._inputs.engine.abort(ids)
+        self._put(failed_group(step=batch.step, prompt_index=p, prompt_id=batch.items[p].record.prompt_id))
 
     def _drain_teacher(self) -> None:
         """Put every group still with the teacher (its added time per step: ``distill/teacher_wait_s``)."""

@@ -32,6 +32,9 @@ class GroupScoring:
     dynamic_sampling: bool = AlgorithmConfig.dynamic_sampling  # DAPO: drop groups whose rewards are all equal
     overlong: OverlongShaping | None = None
     eps: float = AdvantageConfig.eps  # added to the group std before dividing (algorithm.advantage.eps)
+    # DAPO over-sampling (algorithm.oversample): a batch trains at most this many kept groups, the
+    # first in prompt order, and aborts the prompts beyond (pipeline.oversample); None: every kept group
+    target_groups: int | None = None
 
     def __post_init__(self) -> None:
         # the config's rules: groups are scored as they complete, so 'batch' is refused

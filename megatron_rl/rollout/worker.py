@@ -240,6 +240,7 @@ def _serve(backend: WorkerBackend, conn, version: int, receivers: dict) -> None:
             _generate_unaborted(backend, conn, command, version, inbox.aborted)
         else:
             version = handle_command(backend, conn, command, version, receivers)
+        inbox.done(command)
         version = loads.sync(version) if loads is not None else version
 
 
@@ -293,7 +294,8 @@ class AbortInbox:
 
     def __init__(self, conn) -> None:
         self._conn, self._waiting = conn, deque()
-        self.aborted: set[str] = set()  # every id an Abort named (ids are unique per run)
+        self._live: set[str] = set()  # ids of the Generates read and not finished (waiting or running)
+        self.aborted: set[str] = set()  # of those, the ids an Abort named
 
     def recv(self) -> object:
         """The next command that is not an Abort (blocking)."""
@@ -307,11 +309,21 @@ class AbortInbox:
             self._take(self._conn.recv())
         return self.aborted
 
+    def done(self, command: object) -> None:
+        """``command`` was answered: its ids are forgotten (a later call may reuse them)."""
+        if isinstance(command, Generate):
+            ids = {r.request_id for r in command.requests}
+            self._live -= ids
+            self.aborted -= ids
+
     def _take(self, message: object) -> None:
+        # An Abort follows the Generate of its ids on the pipe: an id not live was answered already.
         if isinstance(message, Abort):
-            self.aborted.update(message.request_ids)
-        else:
-            self._waiting.append(message)
+            self.aborted.update(rid for rid in message.request_ids if rid in self._live)
+            return
+        if isinstance(message, Generate):
+            self._live.update(r.request_id for r in message.requests)
+        self._waiting.append(message)
 
 
 def _generate_unaborted(backend: WorkerBackend, conn, command: Generate, version: int, aborted: set[str]) -> None:

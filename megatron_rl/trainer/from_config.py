@@ -156,7 +156,11 @@ def group_scoring(cfg: Config) -> GroupScoring:
             max_len=cfg.rollout.sampling.max_new_tokens, buffer=a.overlong.buffer, penalty=a.overlong.penalty
         )
     return GroupScoring(
-        advantage_scale=a.advantage.scale, dynamic_sampling=a.dynamic_sampling, overlong=overlong, eps=a.advantage.eps
+        advantage_scale=a.advantage.scale,
+        dynamic_sampling=a.dynamic_sampling,
+        overlong=overlong,
+        eps=a.advantage.eps,
+        target_groups=cfg.trainer.prompts_per_batch if a.oversample > 1 else None,  # DAPO over-sampling
     )
 
 

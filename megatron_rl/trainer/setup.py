@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import Config, ConfigError, validate_world
 from megatron_rl.config.errors import Problem
+from megatron_rl.config.oversample_rules import drawn_prompts
 from megatron_rl.control import GroupSizeController, load_controller
 from megatron_rl.data import PromptStream
 from megatron_rl.generation import generator_metrics
@@ -208,7 +209,8 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
     d = cfg.data
     prompts, report = from_config.prompts(cfg, tokenizer)
     print(report.summary(), flush=True)
-    stream = PromptStream(prompts, prompts_per_batch=cfg.trainer.prompts_per_batch, seed=d.seed)
+    drawn = drawn_prompts(cfg.trainer.prompts_per_batch, cfg.algorithm.oversample)  # DAPO over-sampling draws more
+    stream = PromptStream(prompts, prompts_per_batch=drawn, seed=d.seed)
     if resume and resume.prompt_stream:
         stream.load_state_dict(resume.prompt_stream)
     start, reward = (resume.step if resume else 0), from_config.reward_fn(cfg)
