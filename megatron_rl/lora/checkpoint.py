@@ -136,12 +136,12 @@ def save_peft_adapter(model: torch.nn.Module, directory: str | Path, *, base_pat
 
     directory = Path(directory)
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     host_barrier()
     part = directory / f"{WEIGHTS_FILE}.stage-{stage + 1:05d}-of-{pp:05d}"
-    if ps.get_data_parallel_rank() == 0:  # adapters are the same on every DP replica
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # adapters are the same on every DP replica
         _write_stage(model, part if writer else None)
     entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (part.name, _stage_config(model)) if writer else None, group=host_group())

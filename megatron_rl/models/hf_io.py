@@ -213,7 +213,10 @@ def save_hf_checkpoint(
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_rank(),
     )
-    writer = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    writer = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
     # routed experts are gathered over EP, whose ranks sit in different DP replicas: every
     # rank of the first expert-DP replica takes part (only DP rank 0 in the dense tensors)
     rank0 = dist.get_rank() == 0
@@ -262,7 +265,7 @@ def _write_stage(
     entries = [
         TensorEntry(n, dtype or it.param.dtype, s) for it in items for n, s in zip(it.names, it.shapes, strict=True)
     ]
-    first_dp = parallel_state.get_data_parallel_rank() == 0
+    first_dp = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:
         for item in items:
             if not first_dp and item.rule.kind not in EXPERT_KINDS:

@@ -28,11 +28,13 @@ _SIZE_TAG, _PAYLOAD_TAG = 71, 72
 
 
 def replica_leaders() -> list[int]:
-    """Global rank of each DP replica's leader (its model-parallel source rank), by DP rank.
+    """Global rank of each DP replica's leader (``parallel.state.replica_src_rank``), by DP rank.
     Collective over the world."""
     from megatron.core import parallel_state as ps
 
-    mine = (ps.get_data_parallel_rank(), ps.get_model_parallel_src_rank())
+    from megatron_rl.parallel.state import replica_src_rank
+
+    mine = (ps.get_data_parallel_rank(), replica_src_rank())  # a replica is TP x PP x CP ranks
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return [src for _, src in sorted(set(everyone))]

@@ -171,7 +171,7 @@ def save_optimizer_state(optimizer, model, spec: DecoderSpec, directory: str | P
     step = max_over_world(access.step())
     directory = Path(directory)
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    writer = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
     if writer:
         directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"stage-{stage + 1:05d}-of-{pp:05d}.safetensors"
@@ -187,7 +187,7 @@ def _write_model_state(access: _Access, model, spec: DecoderSpec, path: Path | N
     """Every parameter's state of this stage, by HF name, into ``path`` (None: not the writer)."""
     from megatron.core import parallel_state as ps
 
-    first_dp = ps.get_data_parallel_rank() == 0
+    first_dp = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     first_edp = ps.get_expert_data_parallel_rank() == 0  # routed experts: gathered over EP from every DP replica
     items = export_items(model, spec)
     entries = [
@@ -214,7 +214,7 @@ def _write_adapter_state(access: _Access, model, spec: DecoderSpec, path: Path |
     writer); the frozen base has none."""
     from megatron.core import parallel_state as ps
 
-    first_dp, tensors = ps.get_data_parallel_rank() == 0, adapter_tensors(model)
+    first_dp, tensors = ps.get_data_parallel_rank(with_context_parallel=True) == 0, adapter_tensors(model)
     tp = ps.get_tensor_model_parallel_world_size()
     entries = [TensorEntry(f"{key}/{t.name}", torch.float32, t.full_shape(tp)) for t in tensors for key in keys]
     with SafetensorsStream(path, entries, {"format": "pt"}) if path is not None else nullcontext() as out:

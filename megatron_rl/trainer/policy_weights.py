@@ -56,7 +56,10 @@ class PolicyWeights:
         Collective over the stage's TP group of DP replica 0 (routed experts: their TP x EP group)."""
         from megatron.core import parallel_state as ps
 
-        first_dp, first_edp = ps.get_data_parallel_rank() == 0, ps.get_expert_data_parallel_rank() == 0
+        first_dp, first_edp = (
+            ps.get_data_parallel_rank(with_context_parallel=True) == 0,
+            ps.get_expert_data_parallel_rank() == 0,
+        )
         select, out = self.selection(), []
         for item in export_items(self.policy, self.spec):
             if not (first_edp if item.rule.kind in EXPERT_KINDS else first_dp):
@@ -91,5 +94,5 @@ def stage_place() -> StagePlace:
         stage=ps.get_pipeline_model_parallel_rank(),
         stages=ps.get_pipeline_model_parallel_world_size(),
         sender=ps.get_tensor_model_parallel_rank() == 0,
-        dp_rank=ps.get_data_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),  # CP peers hold the same weights
     )

@@ -51,15 +51,13 @@ from megatron_rl.weight_sync import SenderSetup, build_sender
 
 
 class ReplicaChannel:
-    """Leader -> followers of this rank's model-parallel group (TP x PP ranks of one replica)."""
+    """Leader -> followers of this rank's replica (TP x PP x CP ranks)."""
 
     def __init__(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        from megatron_rl.parallel.state import host_model_parallel_group
+        from megatron_rl.parallel.state import host_model_parallel_group, replica_src_rank
 
         self.group = host_model_parallel_group()  # pickled calls are host data: gloo, never NCCL / HCCL
-        self.src = ps.get_model_parallel_src_rank()
+        self.src = replica_src_rank()  # TP x PP x CP ranks of one replica
         self.size = dist.get_world_size(self.group)
         self.is_leader = dist.get_rank() == self.src
 

@@ -115,6 +115,7 @@ def start_world(cfg: Config, platform: str = "auto") -> tuple[Platform, Parallel
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
         ep=cfg.parallel.ep,
+        cp=cfg.parallel.cp,
         seed=cfg.trainer.seed,
         timeout_s=cfg.parallel.timeout_s,
         platform=platform,

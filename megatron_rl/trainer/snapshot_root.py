@@ -44,7 +44,7 @@ def shared_snapshot_root(cfg: Config, *, base: str | None = None) -> Path:
     Collective over the world."""
     from megatron.core import parallel_state as ps
 
-    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     places: list = [None] * dist.get_world_size()
     dist.all_gather_object(places, (node_id(), writer, ps.get_pipeline_model_parallel_rank()), group=host_group())
     leader = places[0][0]
