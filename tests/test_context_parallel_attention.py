@@ -96,3 +96,18 @@ def test_npu_run_args_match_the_mask() -> None:
                 got[q0 + i, fa.kv_index[k0 : k0 + lk - lq + i + 1]] = True
             q0, k0 = q1, k1
         assert torch.equal(got, dense[sl.local_index])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("algorithm.routing_replay=rollout", "algorithm.routing_replay"), ("parallel.ep=2", "parallel.ep")],
+)
+def test_check_config_refuses_what_cp_does_not_run(override, key):
+    """The stage raises for routing replay under CP and MoE under CP is not verified: check-config
+    refuses both, naming the key and parallel.cp."""
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config("examples/recipes/qwen3-8b-longcot-cp4-910b/config.yaml", [override])
+    assert key in info.value.keys
+    assert f"{key}: " in str(info.value) and "parallel.cp = 4" in str(info.value)

@@ -34,6 +34,13 @@ def check_cp(cfg: Config) -> Found:
             f"'triton' has no context-parallel path (parallel.cp = {cp}): use 'flex' or 'auto' (flex on CUDA "
             "under CP), or parallel.cp 1",
         )
+    if cfg.algorithm.routing_replay == "rollout":  # trimodel.stage has no per-rank slice of the routes
+        yield (
+            "algorithm.routing_replay",
+            f"'rollout' is not supported with parallel.cp = {cp} (the engine's routes are not sliced per CP rank)",
+        )
+    if cfg.parallel.ep > 1:  # MoE under CP (router losses over a rank's slice) is not verified
+        yield ("parallel.ep", f"expert parallelism with parallel.cp = {cp} is not supported yet; use parallel.cp 1")
     for name in MEGATRON_CP_OPTIONS:
         if name in cfg.model.megatron:
             yield (
