@@ -33,6 +33,7 @@ RECIPES = {
     "qwen3-8b-stale-a3po": ("910b", 2, 8),
     "qwen2.5-7b-tool-python-910b": ("910b", 2, 8),  # multi-turn, sandboxed Python tool
     "qwen2.5-32b-lora-910b": ("910b", 1, 8),  # LoRA: the full fine-tune does not fit (test below)
+    "qwen3-8b-longcot-cp4-910b": ("910b", 2, 8),  # 32k-token answers, parallel.cp 4 (tests/test_plan_cp.py)
     "qwen3-8b-partial-rollout-910b": ("910b", 2, 8),  # long answers, in-flight weight updates (partial rollout)
 }
 PUBLISHED = {  # sizes from the model cards (Qwen/Qwen2.5-7B-Instruct, -32B-Instruct, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B)

@@ -5,7 +5,7 @@ pass, every section's own rules (`sections.py`), the rules across sections below
 model-shape rule; it raises one `ConfigError` listing all
 problems, each naming the key(s), the value(s) and the fix. The model-shape rule reads
 ``<model.hf_path>/config.json`` (that file only; `hf_config` may stand in for it).
-`validate_world(cfg, world_size)` is the launch-time rule TP × PP (× DP) vs the world size.
+`validate_world(cfg, world_size)` is the launch-time rule TP × PP × CP (× DP) vs the world size.
 What the config points at (data file, tokenizer, dotted paths) is `resources.py`'s; runtime
 capabilities (e.g. torch_npu for ``attention.backend: npu``) are checked by `platform/`.
 """
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .cp_rules import check_cp
 from .devices import parse_device
 from .distill_rules import check_distill
 from .errors import ConfigError, Origins, Problem
@@ -48,33 +49,35 @@ def validate(cfg: Config, *, hf_config: dict[str, Any] | None = None, origins: O
 
 
 def validate_world(cfg: Config, world_size: int, *, origins: Origins | None = None) -> int:
-    """Check TP × PP (× DP if set) against the training world size; return the DP size."""
+    """Check TP × PP × CP (× DP if set) against the training world size; return the DP size."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
+    tp, pp, cp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.dp
+    model = tp * pp * cp  # ranks holding one model replica's shards (CP: slices of every micro-batch)
+    sizes = f"parallel.tp ({tp}) × parallel.pp ({pp})" + (f" × parallel.cp ({cp})" if cp > 1 else "")
     problem = None
-    if world_size % (tp * pp):
+    if world_size % model:
         problem = Problem(
-            key="parallel.tp",
-            message=f"parallel.tp ({tp}) × parallel.pp ({pp}) = {tp * pp} does not divide world size "
-            f"{world_size}; launch a multiple of {tp * pp} processes or change tp/pp",
+            key="parallel.cp" if cp > 1 and world_size % (tp * pp) == 0 else "parallel.tp",
+            message=f"{sizes} = {model} does not divide world size "
+            f"{world_size}; launch a multiple of {model} processes or change tp/pp{'/cp' * (cp > 1)}",
         )
-    elif dp is not None and tp * pp * dp != world_size:
+    elif dp is not None and model * dp != world_size:
         problem = Problem(
             key="parallel.dp",
-            message=f"parallel.tp ({tp}) × parallel.pp ({pp}) × parallel.dp ({dp}) = {tp * pp * dp} ≠ world "
-            f"size {world_size}; set parallel.dp to {world_size // (tp * pp)} or leave it unset",
+            message=f"{sizes} × parallel.dp ({dp}) = {model * dp} ≠ world "
+            f"size {world_size}; set parallel.dp to {world_size // model} or leave it unset",
         )
-    elif (world_size // (tp * pp)) % cfg.parallel.ep:
+    elif (world_size // model) % cfg.parallel.ep:
         problem = Problem(
             key="parallel.ep",
             message=f"parallel.ep ({cfg.parallel.ep}) does not divide the "
-            f"data-parallel size {world_size // (tp * pp)} (megatron takes the EP ranks from DP)",
+            f"data-parallel size {world_size // model} (megatron takes the EP ranks from DP)",
         )
     if problem is not None:
         where = (origins or Origins()).where(problem.key)
         raise ConfigError([dataclasses.replace(problem, where=where)])
-    return world_size // (tp * pp)
+    return world_size // model
 
 
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
@@ -268,5 +271,6 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_distill,
     check_weight_files,
     check_in_flight,
+    check_cp,
     check_oversample,
 )

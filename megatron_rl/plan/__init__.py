@@ -4,10 +4,11 @@ Where every rank and engine runs and how much device memory a training rank need
 anything launches.
 
 Modules: `devices` (device memory table), `layout` (ranks and engines per node, megatron's
-TP / PP / DP coordinates), `memory` (the per-device memory model; its MoE and LoRA terms in
-`moe_memory` and `lora_memory`), `model_engines` (the teacher's, judge's and reward model's engines:
+TP / CP / PP / DP coordinates), `memory` (the per-device memory model; its MoE and LoRA terms in
+`moe_memory` and `lora_memory`, the attention core and context parallelism in `cp_memory`),
+`model_engines` (the teacher's, judge's and reward model's engines:
 placement and memory), `build` (config -> `Plan`, fit verdict, knob advice),
-`report` (the printed text).
+`report` (the printed text), `longest` (the longest answer that fits, per CP size).
 """
 
 from .build import Plan, build_plan
