@@ -74,7 +74,7 @@ def generate_results(
         while len(call.answered) < len(requests):
             yield from _abort(sup, call, aborts)
             _dispatch(sup.workers, call.pending, chunk)
-            if any(w.busy for w in sup.workers):
+            if any(w.busy for w in sup.workers) or sup.gate is not None:  # gate: a dead worker's orphans
                 yield from _events(sup, call, ())
     finally:
         _drain_call(sup)
