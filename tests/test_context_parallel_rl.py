@@ -36,19 +36,33 @@ def _max_diff(a_dir, b_dir) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_cp2_run_equals_cp1_run(tmp_path):
-    model = make_tiny_rl_model(tmp_path / "model")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(tmp, config, (save dir, history) of the CP 1 run)."""
+    tmp = tmp_path_factory.mktemp("rl_cp")
+    model = make_tiny_rl_model(tmp / "model")
     config = str(
         tiny_rl_config(
-            tmp_path,
+            tmp,
             model,
             reward={"fn": "tests.rl_fixtures:digit_share_reward"},
             data={"max_prompt_tokens": 128},
             trainer={"steps": 2, "prompts_per_batch": 4, "lr": 1e-2, "adam_eps": 1e-3},
         )
     )
-    ref_dir, ref_hist = _run(tmp_path, config, "cp1", 1, [])
-    out, history = _run(tmp_path, config, "cp2", 2, ["parallel.cp=2"])
+    return tmp, config, _run(tmp, config, "cp1", 1, [])
+
+
+VARIANTS = {  # name: overrides of the 2-rank run
+    "cp2": ["parallel.cp=2"],
+    "cp2_distributed_optimizer": ["parallel.cp=2", "parallel.distributed_optimizer=true"],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cp2_run_equals_cp1_run(reference, variant):
+    tmp_path, config, (ref_dir, ref_hist) = reference
+    out, history = _run(tmp_path, config, variant, 2, VARIANTS[variant])
     assert _max_diff(tmp_path, ref_dir / "step_2") > 1e-3, "training did not move the weights"
     for step in (1, 2):
         diff = _max_diff(ref_dir / f"step_{step}", out / f"step_{step}")
@@ -60,3 +74,14 @@ def test_cp2_run_equals_cp1_run(tmp_path):
         for key in keys:
             assert h.get(key) == pytest.approx(ref[key], rel=1e-4, abs=1e-6), f"step {step}: {key}"
         assert h["train/responses"] == ref["train/responses"]
+
+
+def test_resume_across_cp_layouts(reference):
+    """The CP 1 run's step-1 checkpoint (weights, Adam state, prompt stream) resumed at CP 2 with
+    the distributed optimizer (state sharded over DP x CP) ends step 2 where the CP 1 run does."""
+    tmp_path, config, (ref_dir, _) = reference
+    resume = [*VARIANTS["cp2_distributed_optimizer"], f"trainer.resume_from={ref_dir / 'step_1'}"]
+    out, history = _run(tmp_path, config, "resumed_cp2", 2, resume)
+    assert len(history) == 1
+    diff = _max_diff(ref_dir / "step_2", out / "step_2")
+    assert diff <= TOL, f"step 2 after resuming at CP 2: weights differ from the CP 1 run by {diff:.2e}"
