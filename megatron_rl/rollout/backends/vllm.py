@@ -140,6 +140,8 @@ class VLLMBackend:
         done = []
         for out in self._engine.step():
             engine_id = _internal_id(out, self._pending)
+            if engine_id is None:  # an aborted request's last output (abort): answered already
+                continue
             if out.finished:
                 r, version = self._pending.pop(engine_id)
                 done.append(self._flight.finish(engine_id, _result(r, out, version)))
@@ -244,11 +246,13 @@ def _params(r: GenerationRequest):
     )
 
 
-def _internal_id(out, pending: dict) -> str:
+def _internal_id(out, pending: dict) -> str | None:
+    """The engine id of ``out``'s request in ``pending``; None if it is no longer there (aborted)."""
     if out.request_id in pending:
         return out.request_id
-    (internal_id,) = [k for k, (r, _) in pending.items() if r.request_id == out.request_id]
-    return internal_id
+    found = [k for k, (r, _) in pending.items() if r.request_id == out.request_id]
+    assert len(found) <= 1, found
+    return found[0] if found else None
 
 
 def _result(r: GenerationRequest, out, weight_version: int) -> GenerationResult:
