@@ -150,7 +150,8 @@ def _gated_events(sup: Supervisor, call: _Call, extra: tuple) -> list[Generation
         stashed, orphans = sup.gate.take()
         call.pending.extendleft(reversed(orphans))
         busy = [w for w in sup.workers if w.busy]
-        events = stashed or list(sup.next_events(busy, (*extra, sup.gate.wake_handle)))
+        # what an update handed back first; a dead worker's requests are dispatched before any wait
+        events = stashed if stashed or orphans else list(sup.next_events(busy, (*extra, sup.gate.wake_handle)))
         results = list(_handle(sup, call, events))
     for result in results:
         sup.gate.counters.count(result)

@@ -107,7 +107,7 @@ COMMON_CALLS = (  # LLM(**kwargs) hands its keyword arguments to EngineArgs
     ApiCall(LLM, "generate", ("prompts", "sampling_params", "use_tqdm")),
     ApiCall(ENGINE, "add_request", ("request_id", "prompt", "params")),
     ApiCall(ENGINE, "step"),
-    ApiCall(ENGINE, "abort_request", ("request_ids",)),
+    ApiCall(ENGINE, "abort_request", ("request_ids", "internal")),
     *(
         ApiCall("vllm.sampling_params:SamplingParams", name, kind="field")
         for name in (
@@ -233,8 +233,9 @@ class VLLMEngine:
         return self.llm.llm_engine.step()
 
     def abort(self, engine_ids: Iterable[str]) -> None:
-        """Drop the requests with these engine ids."""
-        self.llm.llm_engine.abort_request(list(engine_ids))
+        """Drop the requests with these engine ids (``add_request``'s: vLLM's internal ids; without
+        ``internal=True`` vLLM 0.32 takes them for external ids, finds none and aborts nothing)."""
+        self.llm.llm_engine.abort_request(list(engine_ids), internal=True)
 
     def generate(self, prompts, params, use_tqdm: bool = False) -> list:
         """Run ``prompts`` to completion (``vllm.LLM.generate``)."""
