@@ -11,7 +11,9 @@ per group, so every response token on every rank sees its group's prompt), and e
 T_c query rows attend to them. Per layer and rank, with b bytes of model.dtype, t = parallel.tp:
 
     K / V all-gather buffer   2·T·(kv_heads/t)·head_dim·b     saved for the backward (recompute
-                              none), rebuilt with the layer or the core (full / selective)
+                              none; ``split`` keeps per-run copies instead, see
+                              `_cp_core_bytes`), rebuilt with the layer or the core (full /
+                              selective)
     backward                  the same 2·T·(kv_heads/t)·head_dim·b for dK / dV of the whole
                               sequence before their reduce-scatter: a transient of one layer
     communication             all-gather of (c - 1)/c of the buffer forward, reduce-scatter of
@@ -74,23 +76,29 @@ def attention_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
 
 
 def _cp_core_bytes(dims: ModelDims, s: MemorySettings) -> int:
-    """The core under CP: q and out of the rank's rows, the gathered K / V, an LSE per row;
-    ``reference`` adds [heads, T_c, T] scores and probabilities, ``split`` its per-response
-    prompt K / V copies and masks for the rank's share of the rows."""
-    b, t, d = s.dtype_bytes, s.tp, dims.head_dim
-    nq = dims.heads // t
-    rows = rank_tokens(s.micro_batch.tokens, s.cp)
-    core = rows * 2 * nq * d * b + 4 * rows * nq + kv_gather_bytes(dims, s)
+    """The core under CP: q and out of the rank's rows and an LSE per row, and the keys: the
+    all-gathered K / V (flash-style backends; ``reference`` adds [heads, T_c, T] scores and
+    probabilities), or for ``split`` the copies its batched calls index out of them: each of the
+    rank's 2 chunks of every response (and the prompt's later chunk) sees the prompt and its own
+    segment up to the chunk, padded to the longest: 2K + 1 runs of Lp + Lr keys per part, each
+    with a [lq = ⌈max(Lp, Lr) / 2c⌉, Lp + Lr] mask in model dtype (read off the saved tensors at
+    cp 2: kb / vb [2K+1, Hkv, Lp+Lr, D] and the mask [2K+1, 1, lq, Lp+Lr] per layer; they do not
+    shrink with cp, `tests/test_memory_plan_cp.py`)."""
+    b, t, d, mb = s.dtype_bytes, s.tp, dims.head_dim, s.micro_batch
+    nq, nkv = dims.heads // t, dims.kv_heads // t
+    rows = rank_tokens(mb.tokens, s.cp)
+    core = rows * 2 * nq * d * b + 4 * rows * nq
+    if s.attention_backend == "split":  # 2K + 1 runs of Lp + Lr keys and their [lq, Lp + Lr] masks
+        runs, keys = mb.parts * (2 * mb.responses + 1), mb.prompt_len + mb.response_len
+        lq = -(-max(mb.prompt_len, mb.response_len) // (2 * s.cp))
+        rest = max(0, mb.tokens - mb.parts * (mb.prompt_len + mb.responses * mb.response_len))
+        return core + runs * keys * (2 * nkv * d + lq) * b + rest * 2 * nkv * d * b
     if s.attention_backend == "reference":
-        return core + 2 * nq * rows * s.micro_batch.tokens * b
-    if s.attention_backend == "split":
-        unsplit = attention_core_bytes(dims, _without_cp(s))
-        flash = s.micro_batch.tokens * (2 * nq + 2 * dims.kv_heads // t) * d * b + 4 * s.micro_batch.tokens * nq
-        return core + max(0, unsplit - flash) // s.cp  # the split's extra copies, for T_c of T rows
-    return core
+        return core + kv_gather_bytes(dims, s) + 2 * nq * rows * mb.tokens * b
+    return core + kv_gather_bytes(dims, s)
 
 
-def _without_cp(s: MemorySettings) -> MemorySettings:
-    from dataclasses import replace
-
-    return replace(s, cp=1)
+def kv_gather_kept(dims: ModelDims, s: MemorySettings) -> int:
+    """One layer's all-gathered K / V as the backward keeps it: the flash-style and reference
+    calls save it whole; ``split`` saves its per-run copies instead (`_cp_core_bytes`)."""
+    return 0 if s.attention_backend == "split" else kv_gather_bytes(dims, s)

@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_rl.models.hf_config import DecoderSpec, padded_vocab_size
-from megatron_rl.plan.cp_memory import attention_core_bytes, kv_gather_bytes, rank_tokens
+from megatron_rl.plan.cp_memory import attention_core_bytes, kv_gather_bytes, kv_gather_kept, rank_tokens
 from megatron_rl.plan.lora_memory import LoraMemory, layer_adapter_params
 from megatron_rl.plan.lora_memory import layer_activation_bytes as lora_activation_bytes
 from megatron_rl.plan.moe_memory import (
@@ -339,7 +339,7 @@ def stage_memory(dims: ModelDims, s: MemorySettings, stage: int) -> StageMemory:
         transient=max(lp_transient, layer_transient),
         expert_params=experts,
         adapter_params=stage_adapter_params(dims, s, stage),
-        kv_gather=stage_layers(dims, s.pp) * kv_gather_bytes(dims, s) if s.recompute == "none" else 0,
+        kv_gather=stage_layers(dims, s.pp) * kv_gather_kept(dims, s) if s.recompute == "none" else 0,
     )
 
 
