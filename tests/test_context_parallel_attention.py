@@ -111,3 +111,21 @@ def test_check_config_refuses_what_cp_does_not_run(override, key):
         load_config("examples/recipes/qwen3-8b-longcot-cp4-910b/config.yaml", [override])
     assert key in info.value.keys
     assert f"{key}: " in str(info.value) and "parallel.cp = 4" in str(info.value)
+
+
+@pytest.mark.slow
+def test_flex_rows_forward_equals_the_k_copies_rows() -> None:
+    """``flex`` under CP (CPU: forward only, compiled): each rank's rows against the whole K / V,
+    without the collective, equal the K-copies oracle's rows."""
+    from megatron_rl.attention.context_parallel import flex_rows_attention
+
+    case = next(c for c in CASES if c.name == "groups")
+    x = make_inputs(case, seed=0)
+    layout = AttentionLayout.from_lengths(case.prompt_lens, case.response_lens)
+    scale = 1.0 / math.sqrt(case.d)
+    ref = k_copies_oracle(case, x, scale)
+    with torch.no_grad():
+        for rank in range(2):
+            sl = build_cp_slice(layout, 2, rank)
+            out = flex_rows_attention(x.q[sl.local_index], x.k, x.v, sl, layout, softmax_scale=scale)
+            torch.testing.assert_close(out, ref.out[sl.local_index], atol=1e-5, rtol=1e-5)
