@@ -44,6 +44,7 @@ class _AnsweringSupervisor:
 
     def __init__(self, n_workers: int, *, streaming: bool) -> None:
         self.version = 0
+        self.gate = None  # Supervisor.gate: no in-flight updates
         self.workers = []
         for i in range(n_workers):
             w = WorkerHandle(SimpleNamespace(index=i, max_batch_size=MAX_BATCH), streaming=streaming)
