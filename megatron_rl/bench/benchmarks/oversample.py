@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 
 from megatron_rl.bench.benchmarks import BenchmarkFailed
+from megatron_rl.bench.synthetic_prompts import parity_reward, random_prompts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,36 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-@dataclass(frozen=True)
-class _Record:
-    prompt_id: str
-    answer: str = ""
-
-
-@dataclass(frozen=True)
-class _Item:
-    record: _Record
-    token_ids: tuple[int, ...]
-
-
 class _Prompts:
     """``count`` fixed random prompts per step, different every step."""
 
     def __init__(self, count: int, vocab: int, step: int) -> None:
-        import random
-
-        rng = random.Random(step)
-        self._items = tuple(
-            _Item(_Record(f"s{step}p{i}"), tuple(rng.randrange(3, vocab) for _ in range(8))) for i in range(count)
-        )
+        self._items = random_prompts(random.Random(step), step=step, count=count, vocab=vocab)
 
     def next_batch(self):
         return self._items
-
-
-def _parity(record, text: str) -> float:
-    """1 if the response has an even length, else 0 (an all-equal group is dropped)."""
-    return float(len(text) % 2 == 0)
 
 
 class _Counting:
@@ -106,7 +85,7 @@ def _step(engine, args, step: int, vocab: int, stop: tuple[int, ...]) -> tuple[f
         engine=engine,
         prompts=_Prompts(drawn, vocab, step),
         generator=SingleTurnGenerator(sampling=sampling, detokenize=lambda ids: "x" * len(ids)),
-        reward_fn=_parity,
+        reward_fn=parity_reward,
         controller=FixedController(args.group_size),
         scoring=GroupScoring(dynamic_sampling=True, target_groups=args.prompts),
     )

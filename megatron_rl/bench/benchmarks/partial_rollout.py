@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+
+from megatron_rl.bench.synthetic_prompts import parity_reward, random_prompts
 
 MODES = {"periodic": ("periodic", 0, False), "stale": ("stale", 1, False), "stale_in_flight": ("stale", 1, True)}
 
@@ -45,37 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
 
 
-@dataclass(frozen=True)
-class _Record:
-    prompt_id: str
-    answer: str = ""
-
-
-@dataclass(frozen=True)
-class _Item:
-    record: _Record
-    token_ids: tuple[int, ...]
-
-
 class _Prompts:
     """``count`` random prompts per step, different every step."""
 
     def __init__(self, count: int, vocab: int, seed: int) -> None:
-        import random
-
         self._rng, self._count, self._vocab, self._step = random.Random(seed), count, vocab, 0
 
     def next_batch(self):
         self._step += 1
-        return tuple(
-            _Item(_Record(f"s{self._step}p{i}"), tuple(self._rng.randrange(3, self._vocab) for _ in range(8)))
-            for i in range(self._count)
-        )
-
-
-def _parity(record, text: str) -> float:
-    """1 if the response has an even length, else 0."""
-    return float(len(text) % 2 == 0)
+        return random_prompts(self._rng, step=self._step, count=self._count, vocab=self._vocab)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -84,6 +64,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from megatron_rl.models.synthetic import write_char_llama
 
+    if args.steps < 2:
+        raise SystemExit(f"bench partial_rollout: --steps {args.steps}: needs 2 or more (step 0 is an untimed warm-up)")
     with tempfile.TemporaryDirectory(prefix="megatron_rl-bench-partial-") as tmp:
         checkpoints = [write_char_llama(f"{tmp}/v{i}", seed=args.seed + i) for i in range(2)]
         vocab = AutoConfig.from_pretrained(checkpoints[0]).vocab_size
@@ -132,7 +114,7 @@ def _steps(pool, args, mode: tuple[str, int], checkpoints, workload: tuple[int, 
             sampling=SamplingSettings(max_new_tokens=args.max_new, stop_token_ids=stop),
             detokenize=lambda ids: "x" * len(ids),
         ),
-        reward_fn=_parity,
+        reward_fn=parity_reward,
         controller=FixedController(args.group_size),
         scoring=GroupScoring(),
     )
