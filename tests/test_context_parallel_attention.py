@@ -98,13 +98,10 @@ def test_npu_run_args_match_the_mask() -> None:
         assert torch.equal(got, dense[sl.local_index])
 
 
-@pytest.mark.parametrize(
-    ("override", "key"),
-    [("algorithm.routing_replay=rollout", "algorithm.routing_replay"), ("parallel.ep=2", "parallel.ep")],
-)
+@pytest.mark.parametrize(("override", "key"), [("algorithm.routing_replay=rollout", "algorithm.routing_replay")])
 def test_check_config_refuses_what_cp_does_not_run(override, key):
-    """The stage raises for routing replay under CP and MoE under CP is not verified: check-config
-    refuses both, naming the key and parallel.cp."""
+    """The stage raises for routing replay under CP: check-config refuses it, naming the key and
+    parallel.cp (MoE and EP under CP run: tests/test_context_parallel_moe.py)."""
     from megatron_rl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as info:

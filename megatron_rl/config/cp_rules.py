@@ -5,7 +5,9 @@ At cp = c > 1 every prompt and response of a packed micro-batch is cut into 2c c
 CP rank attends its chunks' queries to the all-gathered K / V (`attention/cp_split.py`,
 `attention/context_parallel.py`): any token budget splits, but the ``triton`` kernel has no CP
 path (``auto`` picks flex there), and ``model.megatron`` may not set megatron's own CP options
-(Transformer Engine ring attention: not what runs). The world-size rule (tp × pp × cp × dp) is
+(Transformer Engine ring attention: not what runs). MoE composes: routing is per token, expert
+parallelism takes its ranks from DP × CP as in megatron, and the router losses of a rank's
+uneven slice are made exact by ``platform/patches/moe_cp_router_losses``. The world-size rule (tp × pp × cp × dp) is
 `validate.validate_world`'s and `plan`'s. `cp_sizes(cfg, world)` lists the CP sizes above the
 config's that a world of `world` training ranks allows and these rules accept (what `plan` may
 suggest).
@@ -39,8 +41,6 @@ def check_cp(cfg: Config) -> Found:
             "algorithm.routing_replay",
             f"'rollout' is not supported with parallel.cp = {cp} (the engine's routes are not sliced per CP rank)",
         )
-    if cfg.parallel.ep > 1:  # MoE under CP (router losses over a rank's slice) is not verified
-        yield ("parallel.ep", f"expert parallelism with parallel.cp = {cp} is not supported yet; use parallel.cp 1")
     for name in MEGATRON_CP_OPTIONS:
         if name in cfg.model.megatron:
             yield (
@@ -52,12 +52,12 @@ def check_cp(cfg: Config) -> Found:
 
 def cp_sizes(cfg: Config, world: int) -> list[int]:
     """CP sizes above ``parallel.cp``, smallest first, that `world` training ranks allow at the
-    config's tp / pp / ep (tp × pp × cp divides the world, ep divides the DP size) and that
-    `check_cp` accepts."""
+    config's tp / pp / ep (tp × pp × cp divides the world, ep divides DP × CP: megatron's expert
+    groups span the CP ranks) and that `check_cp` accepts."""
     p = cfg.parallel
     out = []
     for c in range(p.cp + 1, world // (p.tp * p.pp) + 1):
-        if world % (p.tp * p.pp * c) or (world // (p.tp * p.pp * c)) % p.ep:
+        if world % (p.tp * p.pp * c) or (world // (p.tp * p.pp)) % p.ep:
             continue
         if not list(check_cp(dataclasses.replace(cfg, parallel=dataclasses.replace(p, cp=c)))):
             out.append(c)

@@ -68,11 +68,11 @@ def validate_world(cfg: Config, world_size: int, *, origins: Origins | None = No
             message=f"{sizes} × parallel.dp ({dp}) = {model * dp} ≠ world "
             f"size {world_size}; set parallel.dp to {world_size // model} or leave it unset",
         )
-    elif (world_size // model) % cfg.parallel.ep:
+    elif (world_size // (tp * pp)) % cfg.parallel.ep:
         problem = Problem(
             key="parallel.ep",
-            message=f"parallel.ep ({cfg.parallel.ep}) does not divide the "
-            f"data-parallel size {world_size // model} (megatron takes the EP ranks from DP)",
+            message=f"parallel.ep ({cfg.parallel.ep}) does not divide the data-parallel size "
+            f"{world_size // model}{f' × parallel.cp ({cp})' * (cp > 1)} (megatron takes the EP ranks from DP × CP)",
         )
     if problem is not None:
         where = (origins or Origins()).where(problem.key)

@@ -48,9 +48,10 @@ def decoder_block_spec(spec: DecoderSpec, config, attention_backend: str | None 
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_rl.platform.patches import moe_off_cuda
+    from megatron_rl.platform.patches import moe_cp_router_losses, moe_off_cuda
 
     moe_off_cuda.apply()
+    moe_cp_router_losses.apply()  # router losses of a CP rank's uneven slice (acts at cp > 1 only)
     layers = [gpt_layer_spec(spec, attention_backend, sparse=s) for s in spec.moe.sparse_layers]
     offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=layers[offset : offset + count], layer_norm=LayerNormImpl)

@@ -45,7 +45,7 @@ class ParallelLayout:
 
 def check_world(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> int:
     """Return DP size, or raise naming the sizes when TP x PP x CP does not divide the world or EP
-    does not divide the DP size (megatron carves the expert-parallel groups out of DP)."""
+    does not divide DP x CP (megatron carves the expert-parallel groups out of the DP x CP ranks)."""
     if tp < 1 or pp < 1 or ep < 1 or cp < 1:
         raise ValueError(f"parallel.tp ({tp}), parallel.pp ({pp}), parallel.ep ({ep}), parallel.cp ({cp}) must be >= 1")
     if world_size % (tp * pp * cp):
@@ -54,9 +54,9 @@ def check_world(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> 
             f"{key}: tp ({tp}) x pp ({pp}) x cp ({cp}) = {tp * pp * cp} does not divide world size {world_size}"
         )
     dp = world_size // (tp * pp * cp)
-    if dp % ep:
+    if (dp * cp) % ep:
         raise ValueError(
-            f"parallel.ep ({ep}) does not divide the data-parallel size {dp} (world {world_size} / (tp {tp} x pp {pp}))"
+            f"parallel.ep ({ep}) does not divide dp x cp = {dp * cp} (world {world_size} / (tp {tp} x pp {pp}))"
         )
     return dp
 

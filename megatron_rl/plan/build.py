@@ -178,8 +178,9 @@ def _parallel_knobs(cfg: Config, dims: ModelDims, s: MemorySettings, world: int)
         _Knob("parallel.pp", pps, lambda p: with_changes(s, pp=p, dp=world // (s.tp * p * s.cp))),
         _Knob("parallel.cp", cp_sizes(cfg, world), lambda c: with_changes(s, cp=c, dp=world // (s.tp * s.pp * c))),
     ]
-    if dims.moe is not None:  # more expert parallelism: fewer experts per rank (ep divides dp and experts)
-        eps = [e for e in range(s.ep + 1, s.dp + 1) if s.dp % e == 0 and dims.moe.experts % e == 0]
+    if dims.moe is not None:  # more expert parallelism: fewer experts per rank (ep divides dp × cp and experts)
+        dp_cp = s.dp * s.cp  # megatron's expert groups are carved out of the DP × CP ranks
+        eps = [e for e in range(s.ep + 1, dp_cp + 1) if dp_cp % e == 0 and dims.moe.experts % e == 0]
         knobs.append(_Knob("parallel.ep", eps, lambda e: with_changes(s, ep=e)))
     if not s.distributed_optimizer and s.dp > 1:
         knobs.append(

@@ -1,0 +1,148 @@
+"""A mixture-of-experts policy under context parallelism, with expert parallelism over the CP ranks.
+
+Subject: a tiny Qwen3-MoE (2 layers, layer 0 sparse: 4 experts, top 2) on the emulated NPU,
+``TriModel`` in megatron's DDP, both router losses on (aux or seq_aux load balancing + z-loss,
+~10 % of the router's gradient), one shared-prompt micro-batch of ragged segments, so the two
+CP ranks hold unequal token counts (the per-segment zigzag does not pad). Layouts in one world
+of 2: CP 2 × EP 1, and CP 2 × EP 2 (megatron carves the expert groups out of DP × CP: each CP
+rank holds 2 experts and the all-to-all sends its tokens to the other's). Reference, computed
+independently of CP and EP: the same model in a world of 1 (CP 1, EP 1), every gradient after
+megatron's reduction (rel 1e-5 of the tensor's largest entry; a local expert ``i`` of EP rank
+``r`` is expert ``2r + i``), the log-probs (1e-5). Without ``platform/patches/moe_cp_router_losses``
+the router weight's gradient is off (megatron assumes equal slices).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.hf_moe_models import make_tiny_moe
+from tests.rl_fixtures import TRAIN_PLATFORM
+
+GROUPS = [(7, (3, 1, 5)), (4, (1,)), (9, (6, 2, 2, 4))]  # (prompt length, response lengths)
+AUX, Z = 0.2, 0.05
+BALANCING = ("aux_loss", "seq_aux_loss")
+EXPERTS = 4
+
+
+def _micro_batch(vocab: int):
+    from megatron_rl.attention.packing import TokenGroup, pack_groups
+
+    g = torch.Generator().manual_seed(3)
+    groups = [
+        TokenGroup(
+            prompt_ids=torch.randint(0, vocab, (lp,), generator=g),
+            response_ids=tuple(torch.randint(0, vocab, (n,), generator=g) for n in lens),
+        )
+        for lp, lens in GROUPS
+    ]
+    (mb,) = pack_groups(groups, token_budget=10_000)
+    return mb
+
+
+def _global_name(name: str, ep_rank: int, per_rank: int) -> str:
+    """A local expert's parameter name -> the name of the same expert at EP 1."""
+    return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * per_rank + int(m[1])}.", name)
+
+
+def _run(path, balancing: str, aux: float, z: float):
+    """(log-probs [N], {global name: reduced gradient}) of one forward + backward."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.algorithms import LossSettings
+    from megatron_rl.config.schema import TrainerConfig
+    from megatron_rl.models import load_model_from_hf
+    from megatron_rl.models.moe import moe_loss_kwargs
+    from megatron_rl.trainer.optim import wrap_for_training
+    from megatron_rl.trimodel import LogprobSettings, TriModel
+    from megatron_rl.trimodel.plan import plan_trimodel
+
+    model, spec = load_model_from_hf(path, attention_backend="split", moe_losses=moe_loss_kwargs(balancing, aux, z))
+    ddp, _ = wrap_for_training(model, TrainerConfig(steps=1))
+    plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1)
+    tri = TriModel(policy=ddp, old=None, ref=None, plan=plan, logprobs=LogprobSettings(vocab_size=spec.vocab_size))
+    mb = _micro_batch(spec.vocab_size)
+    weights = torch.randn(mb.target_ids.numel(), generator=torch.Generator().manual_seed(11))
+
+    def loss(lp, _i):
+        return (lp.policy * weights.to(lp.policy.device)).sum(), lp.policy.detach().cpu()
+
+    (logprobs,) = tri.run([mb], loss=loss)
+    ep = ps.get_expert_model_parallel_world_size()
+    rank = ps.get_expert_model_parallel_rank()
+    grads = {
+        _global_name(n, rank, EXPERTS // ep): p.main_grad.detach().cpu().clone() for n, p in model.named_parameters()
+    }
+    return logprobs, grads
+
+
+def _worker(path, layouts):
+    """Every (cp, ep, balancing, aux, z) case of ``layouts`` in this world; keyed by (case, cp rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.parallel.state import destroy_parallel, initialize_parallel
+
+    out = {}
+    for cp, ep in layouts:
+        initialize_parallel(tp=1, pp=1, cp=cp, ep=ep, platform=TRAIN_PLATFORM)
+        for balancing in BALANCING:
+            for aux, z in ((AUX, Z), (0.0, 0.0)) if cp == 1 else ((AUX, Z),):
+                key = (cp, ep, balancing, aux, z, ps.get_context_parallel_rank())
+                out[key] = _run(path, balancing, aux, z)
+        destroy_parallel(keep_world=True)
+    return out
+
+
+def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.multiproc
+def test_cp2_with_ep2_equals_cp1(tmp_path):
+    """World 1 then world 2 (2 layouts x 2 balancings): ~50 s on the 2-core machine."""
+    path = str(make_tiny_moe(tmp_path / "moe", "qwen3_moe", layers=2, experts=EXPERTS))
+    (ref,) = run_distributed(_worker, 1, path, [(1, 1)], timeout_s=400)
+    results = run_distributed(_worker, 2, path, [(2, 1), (2, 2)], timeout_s=400)
+    for balancing in BALANCING:
+        want_lp, want = ref[1, 1, balancing, AUX, Z, 0]
+        _, plain = ref[1, 1, balancing, 0.0, 0.0, 0]
+        router = [n for n in want if n.endswith("router.weight")]
+        assert router and all(_max_rel(plain[n], want[n]) > 1e-2 for n in router), "router losses do not weigh in"
+        for rank_out in results:
+            for (cp, ep, bal, _aux, _z, cp_rank), (lp, grads) in rank_out.items():
+                if bal != balancing:
+                    continue
+                where = f"CP {cp} x EP {ep}, {balancing}, CP rank {cp_rank}"
+                assert (lp - want_lp).abs().max() <= 1e-5, f"{where}: log-probs vs CP 1"
+                assert grads and set(grads) <= set(want), where
+                if ep == 2:
+                    assert len([n for n in grads if "local_experts" in n]) * 2 == len(
+                        [n for n in want if "local_experts" in n]
+                    ), where
+                for name, g in grads.items():
+                    rel = _max_rel(g, want[name])
+                    assert rel <= 1e-5, f"{where} {name}: relative grad error {rel:.2e} vs CP 1"
+
+
+def test_ep_takes_its_ranks_from_dp_times_cp():
+    """check-config and the world rule accept EP under CP when ep divides dp × cp (megatron's
+    expert groups), and refuse it, naming parallel.ep, when it does not."""
+    from megatron_rl.config import ConfigError, load_config, validate_world
+    from megatron_rl.parallel.state import check_world
+
+    recipe = "examples/recipes/qwen3-30b-a3b-910b/config.yaml"  # pp 3, ep 4, 128 experts
+    cfg = load_config(recipe, ["parallel.cp=2", "algorithm.routing_replay=none"])
+    assert (cfg.parallel.cp, cfg.parallel.ep) == (2, 4)
+    assert validate_world(cfg, 12) == 2  # dp 2 × cp 2 = 4 ranks of each stage hold the 4 expert shards
+    assert check_world(12, 1, 3, ep=4, cp=2) == 2 and check_world(2, 1, 1, ep=2, cp=2) == 1
+    with pytest.raises(
+        ConfigError, match=r"parallel\.ep \(4\) does not divide the data-parallel size 1 × parallel\.cp \(2\)"
+    ) as info:
+        validate_world(cfg, 6)
+    assert info.value.keys == ("parallel.ep",)
+    with pytest.raises(ValueError, match=r"parallel\.ep \(4\) does not divide dp x cp = 2"):
+        check_world(6, 1, 3, ep=4, cp=2)
