@@ -4,7 +4,8 @@ Subject: a tiny Qwen3 model on the emulated NPU, ``TriModel`` (the trainer's mic
 stage feeds each CP rank its per-segment zigzag slice, attention all-gathers K / V, log-probs are
 gathered over CP), wrapped in megatron's DDP (megatron scales the loss by the CP size and
 reduces gradients over DP x CP), on a shared-prompt micro-batch of several groups (ragged
-responses, K = 1, a length-1 response). References, computed independently: transformers' fp32
+responses, K = 1, a length-1 response); also with activation recompute (full, selective) at CP 2
+against CP 1 without. References, computed independently: transformers' fp32
 forward of every ``[prompt, r_i]`` as its own sequence (log-probs, 1e-5), and the same model at
 CP 1 in the same TP / PP layout (every gradient after megatron's reduction, rel 1e-5 of the
 tensor's largest entry; both CP ranks hold the same reduced gradients).
@@ -38,7 +39,7 @@ def _groups(vocab: int):
     ]
 
 
-def _worker(tp, pp, cp, path):
+def _worker(tp, pp, cp, path, recompute=None):
     from megatron.core import parallel_state as ps
 
     from megatron_rl.algorithms import LossSettings
@@ -51,7 +52,7 @@ def _worker(tp, pp, cp, path):
     from megatron_rl.trimodel.plan import plan_trimodel
 
     initialize_parallel(tp=tp, pp=pp, cp=cp, platform=TRAIN_PLATFORM)
-    model, spec = load_model_from_hf(path, attention_backend="split")
+    model, spec = load_model_from_hf(path, attention_backend="split", megatron_overrides=recompute)
     ddp, _ = wrap_for_training(model, TrainerConfig(steps=1))
     plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1)
     tri = TriModel(policy=ddp, old=None, ref=None, plan=plan, logprobs=LogprobSettings(vocab_size=spec.vocab_size))
@@ -89,12 +90,12 @@ def checkpoint(tmp_path_factory):
     return str(make_tiny_hf(tmp_path_factory.mktemp("hf") / "qwen3", "qwen3", tied=False, layers=2))
 
 
-def _compare(checkpoint, tp, pp):
+def _compare(checkpoint, tp, pp, recompute=None):
     from transformers import AutoConfig
 
     base = {where[:2]: (lp, grads) for where, lp, grads in run_distributed(_worker, tp * pp, tp, pp, 1, checkpoint)}
     ref_lp = _hf_logprobs(checkpoint, AutoConfig.from_pretrained(checkpoint).vocab_size)
-    results = run_distributed(_worker, tp * pp * 2, tp, pp, 2, checkpoint)
+    results = run_distributed(_worker, tp * pp * 2, tp, pp, 2, checkpoint, recompute)
     assert {where[2] for where, _, _ in results} == {0, 1}
     seen_lp = False
     for where, lp, grads in results:
@@ -119,3 +120,17 @@ def test_cp2_equals_cp1_and_transformers(checkpoint):
 def test_cp2_composes_with_tp_and_pp(checkpoint, tp, pp):
     """4 ranks: 52 s (TP 2 x CP 2) and 26 s (PP 2 x CP 2) on the 2-core machine."""
     _compare(checkpoint, tp, pp)
+
+
+# megatron's recompute re-runs a layer (full) or its core attention (selective) in backward; under
+# CP that re-run all-gathers K / V again, after the forward's packed_attention() block has exited
+RECOMPUTE = {
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+}
+
+
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_cp2_with_recompute_equals_cp1_without(checkpoint, recompute):
+    """CP 2 with activation recompute: log-probs vs transformers and CP 1, gradients vs CP 1 without recompute."""
+    _compare(checkpoint, 1, 1, RECOMPUTE[recompute])

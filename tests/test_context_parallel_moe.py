@@ -5,7 +5,8 @@ Subject: a tiny Qwen3-MoE (2 layers, layer 0 sparse: 4 experts, top 2) on the em
 ~10 % of the router's gradient), one shared-prompt micro-batch of ragged segments, so the two
 CP ranks hold unequal token counts (the per-segment zigzag does not pad). Layouts in one world
 of 2: CP 2 × EP 1, and CP 2 × EP 2 (megatron carves the expert groups out of DP × CP: each CP
-rank holds 2 experts and the all-to-all sends its tokens to the other's). Reference, computed
+rank holds 2 experts and the all-to-all sends its tokens to the other's), without and with full
+activation recompute. Reference, computed
 independently of CP and EP: the same model in a world of 1 (CP 1, EP 1), every gradient after
 megatron's reduction (rel 1e-5 of the tensor's largest entry; a local expert ``i`` of EP rank
 ``r`` is expert ``2r + i``), the log-probs (1e-5). Without ``platform/patches/moe_cp_router_losses``
@@ -27,6 +28,8 @@ GROUPS = [(7, (3, 1, 5)), (4, (1,)), (9, (6, 2, 2, 4))]  # (prompt length, respo
 AUX, Z = 0.2, 0.05
 BALANCING = ("aux_loss", "seq_aux_loss")
 EXPERTS = 4
+# full recompute: the routers, their losses' collectives and the all-to-all re-run in backward
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def _micro_batch(vocab: int):
@@ -49,7 +52,7 @@ def _global_name(name: str, ep_rank: int, per_rank: int) -> str:
     return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * per_rank + int(m[1])}.", name)
 
 
-def _run(path, balancing: str, aux: float, z: float):
+def _run(path, balancing: str, aux: float, z: float, recompute: bool = False):
     """(log-probs [N], {global name: reduced gradient}) of one forward + backward."""
     from megatron.core import parallel_state as ps
 
@@ -61,7 +64,12 @@ def _run(path, balancing: str, aux: float, z: float):
     from megatron_rl.trimodel import LogprobSettings, TriModel
     from megatron_rl.trimodel.plan import plan_trimodel
 
-    model, spec = load_model_from_hf(path, attention_backend="split", moe_losses=moe_loss_kwargs(balancing, aux, z))
+    model, spec = load_model_from_hf(
+        path,
+        attention_backend="split",
+        moe_losses=moe_loss_kwargs(balancing, aux, z),
+        megatron_overrides=RECOMPUTE if recompute else None,
+    )
     ddp, _ = wrap_for_training(model, TrainerConfig(steps=1))
     plan = plan_trimodel(LossSettings(), optimizer_steps_per_batch=1)
     tri = TriModel(policy=ddp, old=None, ref=None, plan=plan, logprobs=LogprobSettings(vocab_size=spec.vocab_size))
@@ -81,18 +89,19 @@ def _run(path, balancing: str, aux: float, z: float):
 
 
 def _worker(path, layouts):
-    """Every (cp, ep, balancing, aux, z) case of ``layouts`` in this world; keyed by (case, cp rank)."""
+    """Every (cp, ep, recompute) layout of ``layouts`` in this world, each balancing; keyed by
+    (cp, ep, recompute, balancing, aux, z, cp rank)."""
     from megatron.core import parallel_state as ps
 
     from megatron_rl.parallel.state import destroy_parallel, initialize_parallel
 
     out = {}
-    for cp, ep in layouts:
+    for cp, ep, recompute in layouts:
         initialize_parallel(tp=1, pp=1, cp=cp, ep=ep, platform=TRAIN_PLATFORM)
         for balancing in BALANCING:
             for aux, z in ((AUX, Z), (0.0, 0.0)) if cp == 1 else ((AUX, Z),):
-                key = (cp, ep, balancing, aux, z, ps.get_context_parallel_rank())
-                out[key] = _run(path, balancing, aux, z)
+                key = (cp, ep, recompute, balancing, aux, z, ps.get_context_parallel_rank())
+                out[key] = _run(path, balancing, aux, z, recompute)
         destroy_parallel(keep_world=True)
     return out
 
@@ -103,20 +112,20 @@ def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.multiproc
 def test_cp2_with_ep2_equals_cp1(tmp_path):
-    """World 1 then world 2 (2 layouts x 2 balancings): ~50 s on the 2-core machine."""
+    """World 1 then world 2 (3 layouts x 2 balancings): ~30 s on the 2-core machine."""
     path = str(make_tiny_moe(tmp_path / "moe", "qwen3_moe", layers=2, experts=EXPERTS))
-    (ref,) = run_distributed(_worker, 1, path, [(1, 1)], timeout_s=400)
-    results = run_distributed(_worker, 2, path, [(2, 1), (2, 2)], timeout_s=400)
+    (ref,) = run_distributed(_worker, 1, path, [(1, 1, False)], timeout_s=400)
+    results = run_distributed(_worker, 2, path, [(2, 1, False), (2, 2, False), (2, 2, True)], timeout_s=400)
     for balancing in BALANCING:
-        want_lp, want = ref[1, 1, balancing, AUX, Z, 0]
-        _, plain = ref[1, 1, balancing, 0.0, 0.0, 0]
+        want_lp, want = ref[1, 1, False, balancing, AUX, Z, 0]
+        _, plain = ref[1, 1, False, balancing, 0.0, 0.0, 0]
         router = [n for n in want if n.endswith("router.weight")]
         assert router and all(_max_rel(plain[n], want[n]) > 1e-2 for n in router), "router losses do not weigh in"
         for rank_out in results:
-            for (cp, ep, bal, _aux, _z, cp_rank), (lp, grads) in rank_out.items():
+            for (cp, ep, recompute, bal, _aux, _z, cp_rank), (lp, grads) in rank_out.items():
                 if bal != balancing:
                     continue
-                where = f"CP {cp} x EP {ep}, {balancing}, CP rank {cp_rank}"
+                where = f"CP {cp} x EP {ep}{' recompute' * recompute}, {balancing}, CP rank {cp_rank}"
                 assert (lp - want_lp).abs().max() <= 1e-5, f"{where}: log-probs vs CP 1"
                 assert grads and set(grads) <= set(want), where
                 if ep == 2:
