@@ -1,8 +1,10 @@
 """DAPO over-sampling in a real run (``algorithm.oversample``): the tiny model trains on the emulated
 device with the hf engine, periodic (DAPO loss) and stale (decoupled PPO, max_staleness 1), drawing
 twice the prompts the batch trains. Each step trains at most ``prompts_per_batch`` groups, the
-surplus prompts are counted as aborted or surplus, and every engine result the run used came from
-the weights of its version (teacher-forced transformers forward of that step's checkpoint)."""
+surplus prompts are counted as aborted or surplus, and every token an engine result holds came from
+the weights of its version (teacher-forced transformers forward of that step's checkpoint). The
+carry-over run (partial rollout) continues aborted prompts in the next batch: its continued
+requests are prompt + carried tokens, checked the same way."""
 
 from __future__ import annotations
 
@@ -18,7 +20,12 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 RUNS = {
     "periodic_dapo": ["algorithm.loss=dapo"],
     "stale_decoupled": ["algorithm.loss=ppo_decoupled", "pipeline.mode=stale", "pipeline.max_staleness=1"],
-}
+    # partial rollout: aborted prompts continue next batch (rollout.carry_over; in-flight updates on)
+    "stale_carry_over": [
+        "algorithm.loss=ppo_decoupled", "pipeline.mode=stale", "pipeline.max_staleness=2",
+        "rollout.carry_over=true", "rollout.in_flight_updates=true",
+    ],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -37,13 +44,15 @@ def test_dapo_oversampling_trains(tmp_path, run):
     ((history, results),) = run_distributed(train_recorded, 1, str(config), overrides, timeout_s=900)
     assert len(history) == 2
     for m in history:
-        assert m["control/oversample_prompts"] == 2.0  # 4 drawn for 2 trained
+        assert m["control/oversample_prompts"] == 2.0 + m.get("partial/carried_prompts", 0)  # 4 drawn (+ carried) for 2
         assert m["train/responses"] <= 2 * 4  # at most prompts_per_batch groups of G = 4
-        assert m["control/aborted_groups"] + m["control/surplus_groups"] <= 2
+        assert m["control/aborted_groups"] + m["control/surplus_groups"] <= m["control/oversample_prompts"]
         assert math.isfinite(m["loss/value"])
-    for r in results:  # an aborted request carries no token; the rest: log-probs of their version
-        if r.finish_reason == "abort" or not r.response_ids:
-            continue
-        ckpt = model if r.weight_version == 0 else out / f"step_{r.weight_version}" / "model"
-        (ref,) = teacher_forced_logprobs(ckpt, [(r.prompt_ids, r.response_ids)])
-        assert max(abs(a - b) for a, b in zip(r.logprobs, ref, strict=True)) <= 1e-4, r.request_id
+        assert ("partial/carried_prompts" in m) == ("rollout.carry_over=true" in RUNS[run])
+    for r in results:  # every token, an aborted request's too: the log-prob of the version that sampled it
+        versions = r.token_versions or (r.weight_version,) * len(r.response_ids)
+        for v in sorted(set(versions)):
+            ckpt = model if v == 0 else out / f"step_{v}" / "model"
+            (ref,) = teacher_forced_logprobs(ckpt, [(r.prompt_ids, r.response_ids)])
+            gaps = [abs(a - b) for a, b, w in zip(r.logprobs, ref, versions, strict=True) if w == v]
+            assert max(gaps) <= 1e-4, r.request_id

@@ -10,7 +10,8 @@ worker, killed and restarted after ``request_timeout_s``).
 - a streaming worker (``stream_worker``) over a model-free stepped echo: aborted requests end at
   once, long before they would have finished.
 - vLLM (streaming worker, the engine's own abort; marked vllm / slow): each request answered once,
-  the long ones "abort" (vLLM's partial output is not kept: no token).
+  the long ones "abort", with the tokens they had (what carry-over continues from:
+  tests/test_carry_over.py checks those against a teacher-forced forward).
 """
 
 from __future__ import annotations

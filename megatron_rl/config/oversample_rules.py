@@ -6,7 +6,8 @@ dynamic sampling keeps, and aborts the prompts it will not need once that is dec
 (``pipeline.oversample``). It therefore needs dynamic sampling, a drawn count the mini-batches
 divide, a queue that holds the drawn groups, and trajectories that are one engine request each
 (``single_turn``: the abort names requests; a multi-turn trajectory's later turns are not known
-up front).
+up front). ``rollout.carry_over`` (partial rollout, ``pipeline.carry_over``) carries up to
+``carried_prompts`` aborted prompts into the next batch, which then holds that many more.
 """
 
 from __future__ import annotations
@@ -46,10 +47,47 @@ def check_oversample(cfg: Config) -> Found:
             f"needs the single_turn generator (rollout.generator {generator!r}, environment.kind "
             f"{cfg.environment.kind!r}): only single-turn requests can be aborted by id",
         )
-    ahead = (p.max_staleness + 1) * drawn
+    prompts = drawn + carried_prompts(cfg)
+    ahead = (p.max_staleness + 1) * prompts
     if p.queue_size < ahead:
         yield (
             KEY,
-            f"draws {drawn} prompts per batch; pipeline.queue_size {p.queue_size} cannot hold the {ahead} groups "
-            "(max_staleness + 1) x drawn prompts the producer may run ahead by: raise pipeline.queue_size",
+            f"a batch holds up to {prompts} prompts (drawn and carried over); pipeline.queue_size "
+            f"{p.queue_size} cannot hold the {ahead} groups (max_staleness + 1) x that the producer may run "
+            "ahead by: raise pipeline.queue_size",
         )
+
+
+def carried_prompts(cfg: Config) -> int:
+    """Prompts ``rollout.carry_over`` may carry into a batch: the over-sampled surplus (drawn -
+    prompts_per_batch) rounded down to a multiple of trainer.mini_batches; 0 when it is off."""
+    t = cfg.trainer
+    if not cfg.rollout.carry_over or cfg.algorithm.oversample == 1:
+        return 0
+    surplus = drawn_prompts(t.prompts_per_batch, cfg.algorithm.oversample) - t.prompts_per_batch
+    return surplus // t.mini_batches * t.mini_batches
+
+
+def check_carry_over(cfg: Config) -> Found:
+    """Refuse ``rollout.carry_over`` (partial rollout) where it cannot work, naming the key: it
+    carries what over-sampling aborts, tokens one version behind the next batch's policy (stale
+    mode only), and merges no MoE routes."""
+    if not cfg.rollout.carry_over:
+        return
+    key, a = "rollout.carry_over", cfg.algorithm
+    if a.oversample == 1:
+        yield key, "carries the prompts algorithm.oversample aborts: set algorithm.oversample > 1, or set it false"
+    elif carried_prompts(cfg) == 0:
+        yield (
+            key,
+            f"algorithm.oversample {a.oversample} leaves fewer surplus prompts than trainer.mini_batches "
+            f"({cfg.trainer.mini_batches}), the unit a batch grows by: nothing would be carried; raise the factor",
+        )
+    if cfg.pipeline.mode != "stale":
+        yield (
+            key,
+            f"needs pipeline.mode 'stale' (got {cfg.pipeline.mode!r}): carried tokens were sampled by an older "
+            "version than the batch that trains them",
+        )
+    if a.routing_replay == "rollout":
+        yield key, "cannot be combined with algorithm.routing_replay 'rollout' (a continued request's routes split)"

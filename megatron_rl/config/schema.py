@@ -239,10 +239,11 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     start_timeout_s: float = 600.0  # an engine not ready this long after its start (model load) is an error
     max_restarts: int = 3  # worker failures (deaths, hangs) tolerated per engine call; then an error
-    # pipeline.mode 'stale': a weight sync reaches the engines while requests run; they pause between
-    # decode steps, load it, recompute the running requests' KV cache and carry on, each token
-    # recording the version that sampled it (README: Partial rollout / in-flight updates)
+    # pipeline.mode 'stale': weight syncs reach running requests between decode steps (KV recomputed,
+    # each token records the version that sampled it; README: Partial rollout / in-flight updates)
     in_flight_updates: bool = False
+    # partial rollout: the prompts algorithm.oversample aborts continue, with their tokens, next batch
+    carry_over: bool = False
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # generation parameters
     # How a batch's trajectories are generated (megatron_rl.generation): auto = single_turn for
     # environment.kind 'none', else multi_turn (the environment's turns); or "pkg.mod:factory", a

@@ -24,7 +24,7 @@ from .errors import ConfigError, Origins, Problem
 from .fields import Found
 from .in_flight_rules import check_in_flight
 from .model_shape import check_model_parallel, model_shape, read_hf_json
-from .oversample_rules import check_oversample
+from .oversample_rules import check_carry_over, check_oversample
 from .schema import Config
 from .sections import check_fields, check_rules
 from .weight_files import check_weight_files
@@ -273,4 +273,5 @@ CROSS_SECTION_CHECKS: tuple[Callable[[Config], Found], ...] = (
     check_in_flight,
     check_cp,
     check_oversample,
+    check_carry_over,
 )

@@ -11,6 +11,9 @@ that builds generators by name.
   ``check_version(request_id, version)`` sees every engine result (the producer's staleness
   schedule); once ``stop`` is set it returns early. It never scores: the producer calls the
   task reward when a trajectory carries no reward of its own.
+- ``BatchRequest.carried`` (partial rollout: ``pipeline.carry_over``): trajectories an earlier
+  batch began, keyed by their (p, k) in this batch; a generator that sets ``continues_partial``
+  yields a finished one as it is and continues an aborted one from its tokens.
 - ``Generator.overlong_lengths(samples, max_len)``: what DAPO overlong shaping measures of a
   finished group (each response's length against ``max_len``, or a budget of its own).
 - Optionally ``Generator.metrics()``: counters of its own for the trainer's log
@@ -27,8 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_rl.config.resources import find_dotted
@@ -78,6 +81,10 @@ class BatchRequest:
     items: tuple[PromptItem, ...]  # prompt order: prompt_index p is a position here
     group_size: int  # G
     base_seed: int  # rollout.sampling.seed
+    # Partial rollout (pipeline.carry_over): (p, k) -> what an earlier batch generated of it, a
+    # finished trajectory (re-yielded as it is) or an aborted one (finish_reason "abort": continued
+    # from its tokens). Only a generator with ``continues_partial`` accepts a non-empty one.
+    carried: Mapping[tuple[int, int], Trajectory] = field(default_factory=dict)
 
     def group_id(self, p: int) -> str:
         """Prompt ``p``'s group: ``"<step>/<prompt_id>"``, the prefix of its trajectories' ids."""

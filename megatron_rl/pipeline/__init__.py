@@ -17,7 +17,7 @@ shutdown), `recording` (the queue as JSONL, and its replay).
 from megatron_rl.generation.base import request_id, request_seed
 from megatron_rl.pipeline.batching import BatchCutting, StepBatch
 from megatron_rl.pipeline.consumer import BatchSummary, Pipeline, PipelineSettings, summarize
-from megatron_rl.pipeline.producer import PromptSource, RewardCallable, RolloutInputs, StepSpan
+from megatron_rl.pipeline.inputs import PromptSource, RewardCallable, RolloutInputs, StepSpan
 from megatron_rl.pipeline.records import (
     BatchEnd,
     BatchStart,

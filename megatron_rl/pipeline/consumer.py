@@ -38,7 +38,8 @@ from megatron_rl.config.sections import require_valid
 from megatron_rl.generation.metrics import multiturn_metrics
 from megatron_rl.parallel.world_timeout import generation_timeout
 from megatron_rl.pipeline.batching import BatchCutting, StepBatch
-from megatron_rl.pipeline.producer import Producer, RolloutInputs, StepSpan
+from megatron_rl.pipeline.inputs import RolloutInputs, StepSpan
+from megatron_rl.pipeline.producer import Producer
 from megatron_rl.pipeline.recording import NullEngine, QueueRecorder, ReplayInputs, ReplayProducer
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, PipelineError, QueueItem
 from megatron_rl.pipeline.versions import (

@@ -17,7 +17,9 @@ Per batch i (step = start_step + i) the thread
    ``BatchEnd.reward_s`` is the time this thread spent in or waiting for rewards; with DAPO
    over-sampling (``GroupScoring.target_groups``, ``pipeline.oversample``) a group is put once it
    is known whether it is among the batch's first target kept groups, and the prompts that cannot
-   be are aborted in the engine (``WorkerPool.abort``; their late results are ignored),
+   be are aborted in the engine (``WorkerPool.abort``; their late results are ignored, or with
+   ``RolloutInputs.carry_over`` kept: the aborted prompts, with their tokens so far, open the next
+   batch: ``pipeline.carry_over``),
 5. after the last group, lets the controller observe the batch's response lengths and puts a
    ``BatchEnd`` carrying the controller's metrics and state.
 
@@ -40,10 +42,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
-from megatron_rl.control import GroupSizeController
-from megatron_rl.generation.base import BatchRequest, FailedGroup, Generator, PromptItem, Trajectory
+from megatron_rl.generation.base import BatchRequest, FailedGroup, PromptItem, Trajectory
+from megatron_rl.pipeline.carry_over import CarriedBatch, batch_prompts
+from megatron_rl.pipeline.inputs import RolloutInputs, StepSpan
 from megatron_rl.pipeline.oversample import ABORTED, DROPPED, Oversampler
 from megatron_rl.pipeline.records import (
     BatchEnd,
@@ -54,48 +57,8 @@ from megatron_rl.pipeline.records import (
     put_unless_stopped,
     sample_from,
 )
-from megatron_rl.pipeline.scoring import GroupScoring, failed_group, score_group
-from megatron_rl.pipeline.teacher import TeacherStage
+from megatron_rl.pipeline.scoring import failed_group, score_group
 from megatron_rl.pipeline.versions import PolicyVersions, VersionSchedule
-from megatron_rl.rollout.types import RolloutEngine
-
-
-class PromptSource(Protocol):
-    """Yields the prompts of each step (``data.PromptStream`` fits; ``state_dict`` is optional)."""
-
-    def next_batch(self) -> Sequence[PromptItem]: ...
-
-
-RewardCallable = Callable[[Any, str], float]  # (record, decoded response) -> reward; rewards.RewardFn fits
-
-
-@dataclass(frozen=True, kw_only=True)
-class RolloutInputs:
-    """What generates and scores a run's batches (built once, at the composition root)."""
-
-    engine: RolloutEngine
-    prompts: PromptSource
-    generator: Generator
-    reward_fn: RewardCallable  # the task reward, for trajectories without an environment reward
-    controller: GroupSizeController  # chooses G per batch; the producer thread owns it
-    scoring: GroupScoring
-    teacher: TeacherStage | None = None  # on-policy distillation: scores each completed group (pipeline.teacher)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepSpan:
-    """The steps a pipeline runs: ``start_step`` (a resumed run's step) and ``num_steps`` after it."""
-
-    num_steps: int
-    start_step: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
-
-    @property
-    def steps(self) -> range:
-        return range(self.start_step, self.start_step + self.num_steps)
 
 
 class _Stopped(Exception):
@@ -112,7 +75,8 @@ class _PendingBatch:
     slots: list[list[Sample | None]]
     dropped: int = 0
     oversample: Oversampler | None = None  # DAPO over-sampling of this batch (pipeline.oversample)
-    aborted: set[str] = field(default_factory=set)  # request ids aborted: their results are ignored
+    aborted: set[str] = field(default_factory=set)  # request ids aborted: their results are ignored (or carried)
+    finished: dict[tuple[int, int], Trajectory] = field(default_factory=dict)  # carry-over: (p, k) answered
     scoring: list[tuple[int, int, Trajectory, Future]] = field(default_factory=list)  # (p, k, trajectory, reward)
 
     @property
@@ -189,7 +153,9 @@ class Producer:
             self._inputs.engine,
             batch.request,
             stop=self._stop,
-            check_version=lambda rid, version: self._schedule.check_sample(i, version, rid),
+            # an aborted request may be answered after the trainer took the batch and synced:
+            # its result is ignored (or carried, and checked against the next batch's schedule)
+            check_version=lambda rid, version: rid in batch.aborted or self._schedule.check_sample(i, version, rid),
         ):
             if self._stop.is_set():
                 raise _Stopped
@@ -213,15 +179,35 @@ class Producer:
             raise _Stopped
         group_size = self._inputs.controller.choose()
         prompts = self._inputs.prompts
-        items = tuple(prompts.next_batch())
+        carried = self._carried(i)
+        items = batch_prompts(carried.items, tuple(prompts.next_batch()))
         state_fn = getattr(prompts, "state_dict", None)
-        request = BatchRequest(step=self._steps.steps[i], items=items, group_size=group_size, base_seed=self._seed)
+        request = BatchRequest(
+            step=self._steps.steps[i],
+            items=items,
+            group_size=group_size,
+            base_seed=self._seed,
+            carried=carried.trajectories,
+        )
         batch = self._new_batch(request, state_fn() if callable(state_fn) else None)
         target = self._inputs.scoring.target_groups
         if target is not None and target < len(items):
             batch.oversample = Oversampler(target=target, num_prompts=len(items))
         self._put(BatchStart(step=batch.step, num_prompts=len(items), group_size=group_size))
         return batch
+
+    def _carried(self, i: int) -> CarriedBatch:
+        """The prompts the previous batch carries into batch ``i`` (none without carry-over)."""
+        carry = self._inputs.carry_over
+        if carry is None:
+            return CarriedBatch()
+        carried = carry.take(self._schedule.required_version(i))
+        if carried.trajectories and not getattr(self._inputs.generator, "continues_partial", False):
+            raise RuntimeError(
+                f"rollout.carry_over: the generator {type(self._inputs.generator).__name__} cannot continue "
+                "carried trajectories (no continues_partial)"
+            )
+        return carried
 
     def _new_batch(self, request: BatchRequest, source_state: Mapping[str, Any] | None) -> _PendingBatch:
         where: dict[str, tuple[int, int]] = {}
@@ -245,6 +231,9 @@ class Producer:
         controller = self._inputs.controller
         lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
         controller.observe(lengths)
+        carry = self._inputs.carry_over
+        if carry is not None:
+            carry.close_batch()
         self._put(
             BatchEnd(
                 step=batch.step,
@@ -255,7 +244,11 @@ class Producer:
                 source_state=batch.source_state,
                 generation_s=generation_s,
                 reward_s=self._reward_s,
-                control_metrics={**controller.metrics(), **(batch.oversample.metrics() if batch.oversample else {})},
+                control_metrics={
+                    **controller.metrics(),
+                    **(batch.oversample.metrics() if batch.oversample else {}),
+                    **(carry.metrics() if carry is not None else {}),
+                },
                 controller_state=controller.state_dict(),
                 distill_metrics={} if self._inputs.teacher is None else self._inputs.teacher.batch_metrics(),
             )
@@ -276,11 +269,16 @@ class Producer:
 
     def _accept(self, batch: _PendingBatch, trajectory: Trajectory) -> None:
         """Check one trajectory and submit its reward; put the groups scored so far (``_harvest``)."""
+        carry = self._inputs.carry_over
         if trajectory.request_id in batch.aborted:  # over-sampling: answered after (or by) its abort
+            if carry is not None:
+                carry.answered(trajectory.prompt_index, trajectory)
             return
         if trajectory.request_id not in batch.where:
             raise RuntimeError(f"the generator yielded an unknown or duplicate trajectory {trajectory.request_id!r}")
         p, k = batch.where.pop(trajectory.request_id)
+        if carry is not None:
+            batch.finished[(p, k)] = trajectory
         batch.scoring.append((p, k, trajectory, self._reward(batch.items[p].record, trajectory)))
         self._harvest(batch, wait=False)
         if self._inputs.teacher is not None:
@@ -354,6 +352,9 @@ class Producer:
         for rid in ids:
             del batch.where[rid]
         batch.aborted.update(ids)
+        if self._inputs.carry_over is not None:
+            finished = {k: t for (q, k), t in batch.finished.items() if q == p}
+            self._inputs.carry_over.aborted(p, batch.items[p], finished)
         self._inputs.engine.abort(ids)
         self._put(failed_group(step=batch.step, prompt_index=p, prompt_id=batch.items[p].record.prompt_id))
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rl.pipeline.producer import StepSpan
+from megatron_rl.pipeline.inputs import StepSpan
 from megatron_rl.pipeline.records import BatchEnd, BatchStart, QueueItem, Sample, ScoredGroup, put_unless_stopped
 from megatron_rl.rollout.types import RoutedExperts
 

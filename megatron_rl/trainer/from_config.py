@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from megatron_rl.algorithms import LossSettings, MismatchAlarm, RolloutCorrection
 from megatron_rl.config import Config
+from megatron_rl.config.oversample_rules import carried_prompts
 from megatron_rl.control import SAGCSettings
 from megatron_rl.data import TokenizedPrompt, load_prompts
 from megatron_rl.data.prompts import DataReport
 from megatron_rl.generation import Generator, GeneratorSetup, build_generator
 from megatron_rl.lora import LoraSettings
 from megatron_rl.pipeline import GroupScoring, OverlongShaping, PipelineSettings
+from megatron_rl.pipeline.carry_over import CarryOver
 from megatron_rl.pipeline.teacher import TeacherSettings, TeacherStage, check_same_tokenizer
 from megatron_rl.rewards import GuardedReward, load_reward
 from megatron_rl.rollout import EngineSettings, SamplingSettings, build_engine
@@ -162,6 +164,13 @@ def group_scoring(cfg: Config) -> GroupScoring:
         eps=a.advantage.eps,
         target_groups=cfg.trainer.prompts_per_batch if a.oversample > 1 else None,  # DAPO over-sampling
     )
+
+
+def carry_over(cfg: Config) -> CarryOver | None:
+    """Partial rollout (``rollout.carry_over``): up to ``carried_prompts`` aborted prompts per batch,
+    in multiples of ``trainer.mini_batches``; None when it is off."""
+    n = carried_prompts(cfg)
+    return CarryOver(max_prompts=n, multiple=cfg.trainer.mini_batches) if n else None
 
 
 def pipeline_settings(cfg: Config) -> PipelineSettings:

@@ -224,6 +224,7 @@ def build_pipeline(cfg: Config, engine: RolloutEngine, resume: RunState | None, 
         generator=generator,
         scoring=from_config.group_scoring(cfg),
         teacher=from_config.teacher_stage(cfg, tokenizer),  # on-policy distillation (distill.teacher)
+        carry_over=from_config.carry_over(cfg),  # partial rollout (rollout.carry_over)
     )
     return Pipeline(
         inputs,

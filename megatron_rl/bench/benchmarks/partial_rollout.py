@@ -9,16 +9,21 @@ random char Llama, with response lengths geometric around ``--median`` tokens an
 as in ``bench oversample``). The trainer is simulated: each trained micro-batch costs
 ``--train-s`` x its groups (a sleep: the core stays with the engine), and the step's weight sync
 is a real load of the other of two checkpoints (``SnapshotUpdate``), so weights really change and
-in-flight requests really recompute their KV cache. Three runs of ``--steps`` steps each (the
+in-flight requests really recompute their KV cache. A run of ``--steps`` steps per mode (the
 first not timed): ``periodic`` (on-policy), ``stale`` (``max_staleness`` 1, the sync waits for
-the generate call in progress) and ``stale_in_flight`` (the sync lands between decode steps).
+the generate call in progress), ``stale_in_flight`` (the sync lands between decode steps), and two
+DAPO modes at ``max_staleness`` 2 with in-flight updates that draw 2x ``--prompts`` prompts and
+train the first ``--prompts`` kept groups (dynamic sampling): ``stale_oversample`` (the other
+prompts aborted, their tokens lost) and ``stale_carry_over`` (they continue into the next batch:
+``rollout.carry_over``).
 
 Prints one JSON line: per mode the trained response tokens per second of wall time, the mean
 reward per trained sample (a length-parity reward: it compares what was sampled, not learning,
 since nothing is trained), and where a step's time goes: ``sync_s`` (the trainer's wait in
 ``load_weights``: in ``stale`` the longest answer in flight), ``wait_s`` (the consumer's wait for
-groups), ``train_s``; for ``stale_in_flight`` also the ``partial/*`` counters. ``speedup`` is
-stale_in_flight tokens/s over stale's.
+groups), ``train_s``; with in-flight updates the ``partial/*`` counters, with over-sampling the
+aborted groups and ``partial/carried_*`` per step. ``speedup`` is stale_in_flight tokens/s over
+stale's, ``carry_over_speedup`` stale_carry_over's over stale_oversample's.
 """
 
 from __future__ import annotations
@@ -29,10 +34,27 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 from megatron_rl.bench.synthetic_prompts import parity_reward, random_prompts
 
-MODES = {"periodic": ("periodic", 0, False), "stale": ("stale", 1, False), "stale_in_flight": ("stale", 1, True)}
+
+@dataclass(frozen=True)
+class _Mode:
+    pipeline: str
+    staleness: int
+    in_flight: bool
+    oversample: bool = False  # draw 2x the prompts, train the first kept groups, abort the rest (DAPO)
+    carry_over: bool = False  # the aborted prompts continue into the next batch (partial rollout)
+
+
+MODES = {
+    "periodic": _Mode("periodic", 0, False),
+    "stale": _Mode("stale", 1, False),
+    "stale_in_flight": _Mode("stale", 1, True),
+    "stale_oversample": _Mode("stale", 2, True, oversample=True),
+    "stale_carry_over": _Mode("stale", 2, True, oversample=True, carry_over=True),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,51 +97,56 @@ def run(args: argparse.Namespace) -> dict:
             result |= {f"{name}_{k}": v for k, v in _run_mode(args, MODES[name], checkpoints, vocab, stop).items()}
     if "stale_tokens_per_s" in result and "stale_in_flight_tokens_per_s" in result:
         result["speedup"] = round(result["stale_in_flight_tokens_per_s"] / max(result["stale_tokens_per_s"], 1e-9), 2)
+    if "stale_oversample_tokens_per_s" in result and "stale_carry_over_tokens_per_s" in result:
+        carry, plain = result["stale_carry_over_tokens_per_s"], result["stale_oversample_tokens_per_s"]
+        result["carry_over_speedup"] = round(carry / max(plain, 1e-9), 2)
     return result
 
 
-def _run_mode(args, mode: tuple[str, int, bool], checkpoints, vocab: int, stop: tuple[int, ...]) -> dict:
+def _run_mode(args, mode: _Mode, checkpoints, vocab: int, stop: tuple[int, ...]) -> dict:
     """``--steps`` steps of one mode on a pool of its own; its figures (module doc)."""
     from megatron_rl.rollout import EngineSettings, build_engine
 
-    pipeline_mode, staleness, in_flight = mode
     settings = EngineSettings(
         engine="hf",
         model_path=str(checkpoints[0]),
         dtype="float32",
         num_engines=1,
         max_batch_size=256,
-        in_flight_updates=in_flight,
-        max_staleness=staleness,
+        in_flight_updates=mode.in_flight,
+        max_staleness=mode.staleness,
     )
     pool = build_engine(settings)
     try:
-        return _steps(pool, args, (pipeline_mode, staleness), checkpoints, (vocab, stop))
+        return _steps(pool, args, mode, checkpoints, (vocab, stop))
     finally:
         pool.shutdown()
 
 
-def _steps(pool, args, mode: tuple[str, int], checkpoints, workload: tuple[int, tuple[int, ...]]) -> dict:
+def _steps(pool, args, mode: _Mode, checkpoints, workload: tuple[int, tuple[int, ...]]) -> dict:
     from megatron_rl.control import FixedController
     from megatron_rl.generation import SingleTurnGenerator
     from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
+    from megatron_rl.pipeline.carry_over import CarryOver
     from megatron_rl.rollout.types import SamplingSettings
     from megatron_rl.weight_sync.snapshot import SnapshotUpdate
 
-    (vocab, stop), (pipeline_mode, staleness) = workload, mode
+    vocab, stop = workload
+    drawn = 2 * args.prompts if mode.oversample else args.prompts
     inputs = RolloutInputs(
         engine=pool,
-        prompts=_Prompts(args.prompts, vocab, args.seed),
+        prompts=_Prompts(drawn, vocab, args.seed),
         generator=SingleTurnGenerator(
             sampling=SamplingSettings(max_new_tokens=args.max_new, stop_token_ids=stop),
             detokenize=lambda ids: "x" * len(ids),
         ),
         reward_fn=parity_reward,
         controller=FixedController(args.group_size),
-        scoring=GroupScoring(),
+        scoring=GroupScoring(dynamic_sampling=mode.oversample, target_groups=args.prompts if mode.oversample else None),
+        carry_over=CarryOver(max_prompts=args.prompts, multiple=1) if mode.carry_over else None,
     )
     settings = PipelineSettings(
-        mode=pipeline_mode, max_staleness=staleness, queue_size=4 * args.prompts, seed=args.seed,
+        mode=mode.pipeline, max_staleness=mode.staleness, queue_size=8 * drawn, seed=args.seed,
         micro_batch_tokens=1 << 20, poll_s=0.01, join_timeout_s=60.0,
     )  # fmt: skip
     seen = _Seen()
@@ -138,6 +165,7 @@ class _Seen:
         self.sync: list[float] = []
         self.wait: list[float] = []
         self.train: list[float] = []
+        self.counts: dict[str, float] = {}  # over-sampling / carry-over counters summed over timed steps
 
     def step(self, pipe, pool, args, update, *, timed: bool) -> None:
         """One step: consume (simulated training per micro-batch), sync the other checkpoint."""
@@ -161,6 +189,9 @@ class _Seen:
         self.sync.append(sync_s)
         self.wait.append(summary.wait_s)
         self.train.append(train)
+        for key, value in summary.end.control_metrics.items():
+            if key.startswith("partial/carried_") or key == "control/aborted_groups":
+                self.counts[key] = self.counts.get(key, 0.0) + value
 
     def figures(self, pool) -> dict:
         """This mode's JSON fields."""
@@ -172,4 +203,6 @@ class _Seen:
             "wait_s": round(statistics.mean(self.wait), 3),
             "train_s": round(statistics.mean(self.train), 3),
         }
+        steps = max(len(self.sync), 1)
+        out |= {k.split("/")[1] + "_per_step": round(v / steps, 2) for k, v in self.counts.items()}
         return out | {k.replace("partial/", "partial_"): v for k, v in pool.partial_metrics().items()}

@@ -42,7 +42,7 @@ from megatron_rl.rollout.backends.vllm_api import engine_family
 from megatron_rl.rollout.backends.vllm_in_flight import VLLMInFlight
 from megatron_rl.rollout.scoring import ScoreRequest, ScoreResult
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RoutedExperts
-from megatron_rl.rollout.worker import WorkerSpec, aborted_result
+from megatron_rl.rollout.worker import WorkerSpec
 
 # LLM arguments the engine relies on; vllm_kwargs may not override them.
 RESERVED_KWARGS = ("model", "skip_tokenizer_init", "logprobs_mode", "tensor_parallel_size", "dtype", "seed")
@@ -145,7 +145,7 @@ class VLLMBackend:
             if out.finished:
                 r, version = self._pending.pop(engine_id)
                 done.append(self._flight.finish(engine_id, _result(r, out, version)))
-            elif self.in_flight_staleness is not None:  # its tokens so far, should an update pause it
+            else:  # its tokens so far, should an update pause it or an Abort end it
                 self._flight.latest[engine_id] = out
         return done
 
@@ -180,14 +180,17 @@ class VLLMBackend:
         if self._pending:
             self._engine.abort(self._pending)
             self._pending.clear()
+        self._flight.latest.clear()
+        self._flight.carried.clear()
 
     def abort(self, request_ids: set[str]) -> list[GenerationResult]:
         """Drop the unfinished requests among ``request_ids`` (``stream_worker.StreamingBackend``):
-        one ``"abort"`` result each, with no token (the engine's partial output is not kept)."""
+        one ``"abort"`` result each, with the tokens and log-probs it had (what partial rollout's
+        carry-over continues from: ``pipeline.carry_over``)."""
         internal = [k for k, (r, _) in self._pending.items() if r.request_id in request_ids]
         if internal:
             self._engine.abort(internal)
-        return [aborted_result(r, version) for r, version in (self._pending.pop(k) for k in internal)]
+        return [self._flight.aborted(k, *self._pending.pop(k)) for k in internal]
 
     def score(self, requests: Sequence[ScoreRequest], weight_version: int) -> Iterator[ScoreResult]:
         """Prompt log-probs of each request's response, at temperature 1 only (``rollout.scoring``)."""

@@ -81,6 +81,22 @@ class VLLMInFlight:
         )
         return extended, p.first_version, dataclasses.replace(c, segment_version=version)
 
+    def aborted(self, engine_id: str, request: GenerationRequest, first_version: int) -> GenerationResult:
+        """The ``"abort"`` answer of a request dropped from the engine: every token it had (those
+        carried across updates, then its current segment's), each with its version."""
+        before = self.carried.pop(engine_id, Carried(segment_version=first_version))
+        tokens, logprobs = _so_far(self.latest.pop(engine_id, None))
+        versions = before.versions + (before.segment_version,) * len(tokens)
+        return GenerationResult(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_ids,
+            response_ids=before.tokens + tokens,
+            logprobs=before.logprobs + logprobs,
+            finish_reason="abort",
+            weight_version=first_version,
+            token_versions=versions if versions and versions[-1] != versions[0] else None,
+        )
+
     def finish(self, engine_id: str, result: GenerationResult) -> GenerationResult:
         """``result`` of the engine's last segment, with the tokens the request carried put first."""
         self.latest.pop(engine_id, None)
