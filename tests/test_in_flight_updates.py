@@ -91,11 +91,15 @@ def _check_against_checkpoints(result, checkpoints, prompt) -> float:
 
 def test_hf_tokens_after_an_update_are_sampled_by_the_new_checkpoint(checkpoints):
     pool = _pool("hf", checkpoints[0], max_staleness=1)
+    wake_fds = (pool._sup.gate.wake_handle, pool._sup.gate._wake_w)
     try:
         results = _generate_with_updates(pool, checkpoints, [1])
         metrics = pool.partial_metrics()
     finally:
         pool.shutdown()
+    for fd in wake_fds:  # the gate's wake-up pipe is closed with the pool
+        with pytest.raises(OSError):
+            os.fstat(fd)
     short_id, long_id = PROMPTS
     long = results[long_id]
     assert results[short_id].token_versions is None and results[short_id].weight_version == 0

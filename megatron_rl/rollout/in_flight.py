@@ -119,6 +119,8 @@ class UpdateGate:
         return stash, orphans
 
     def _clear_wake(self) -> None:
+        if self._wake_r < 0:  # closed: the pool shut down while a generate call was reading
+            return
         try:
             while os.read(self._wake_r, 64):
                 pass
@@ -126,9 +128,11 @@ class UpdateGate:
             pass
 
     def close(self) -> None:
-        """Close the wake-up pipe."""
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        """Close the wake-up pipe (idempotent: the pool's shutdown and its finalizer may both call it)."""
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 @dataclass

@@ -313,6 +313,8 @@ def stop_supervised(sup: Supervisor) -> None:
     stop_workers(sup.workers)
     if sup.remote is not None:
         sup.remote.close()
+    if sup.gate is not None:  # in-flight updates: the wake-up pipe's two descriptors
+        sup.gate.close()
 
 
 def stop_workers(workers: list[WorkerHandle]) -> None:
