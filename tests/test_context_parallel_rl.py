@@ -5,7 +5,8 @@ per-segment zigzag over the two ranks, K / V all-gathered, log-probs gathered, g
 over CP by megatron's DDP). Reference: the same config at CP 1 on one rank. Both sample with
 seeded sampling in sync mode, 2 mini-batches per batch; the loss metrics of every step (world
 sums: counted once per replica) and the weights after each of the 2 steps must agree, and the
-weights must have moved.
+weights must have moved. Checkpoints resume across CP layouts both ways (CP 1 -> CP 2 with the
+distributed optimizer, CP 2 with it -> CP 1 without).
 """
 
 from __future__ import annotations
@@ -59,10 +60,24 @@ VARIANTS = {  # name: overrides of the 2-rank run
 }
 
 
+@pytest.fixture(scope="module")
+def cp2_runs(reference):
+    """variant -> (save dir, history) of its 2-rank run, each run once per module."""
+    tmp_path, config, _ = reference
+    done = {}
+
+    def get(variant):
+        if variant not in done:
+            done[variant] = _run(tmp_path, config, variant, 2, VARIANTS[variant])
+        return done[variant]
+
+    return get
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cp2_run_equals_cp1_run(reference, variant):
+def test_cp2_run_equals_cp1_run(reference, cp2_runs, variant):
     tmp_path, config, (ref_dir, ref_hist) = reference
-    out, history = _run(tmp_path, config, variant, 2, VARIANTS[variant])
+    out, history = cp2_runs(variant)
     assert _max_diff(tmp_path, ref_dir / "step_2") > 1e-3, "training did not move the weights"
     for step in (1, 2):
         diff = _max_diff(ref_dir / f"step_{step}", out / f"step_{step}")
@@ -85,3 +100,15 @@ def test_resume_across_cp_layouts(reference):
     assert len(history) == 1
     diff = _max_diff(ref_dir / "step_2", out / "step_2")
     assert diff <= TOL, f"step 2 after resuming at CP 2: weights differ from the CP 1 run by {diff:.2e}"
+
+
+def test_resume_from_cp2_at_cp1(reference, cp2_runs):
+    """The other way: the CP 2 run's step-1 checkpoint (saved with the Adam state sharded over
+    DP x CP by the distributed optimizer) resumed on one rank at CP 1 without it ends step 2
+    where the CP 1 run does."""
+    tmp_path, config, (ref_dir, _) = reference
+    cp2_dir, _ = cp2_runs("cp2_distributed_optimizer")
+    out, history = _run(tmp_path, config, "resumed_cp1", 1, [f"trainer.resume_from={cp2_dir / 'step_1'}"])
+    assert len(history) == 1
+    diff = _max_diff(ref_dir / "step_2", out / "step_2")
+    assert diff <= TOL, f"step 2 after resuming the CP 2 checkpoint at CP 1: weights differ by {diff:.2e}"
