@@ -230,7 +230,8 @@ class Producer:
         """Show the controller the batch's response lengths and put its ``BatchEnd``."""
         controller = self._inputs.controller
         lengths = tuple(len(s.response_ids) for row in batch.slots for s in row if s is not None)
-        controller.observe(lengths)
+        if lengths:  # a batch whose every prompt failed (e.g. every agent timed out) shows nothing
+            controller.observe(lengths)
         carry = self._inputs.carry_over
         if carry is not None:
             carry.close_batch()
