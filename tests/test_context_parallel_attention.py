@@ -98,18 +98,6 @@ def test_npu_run_args_match_the_mask() -> None:
         assert torch.equal(got, dense[sl.local_index])
 
 
-@pytest.mark.parametrize(("override", "key"), [("algorithm.routing_replay=rollout", "algorithm.routing_replay")])
-def test_check_config_refuses_what_cp_does_not_run(override, key):
-    """The stage raises for routing replay under CP: check-config refuses it, naming the key and
-    parallel.cp (MoE and EP under CP run: tests/test_context_parallel_moe.py)."""
-    from megatron_rl.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError) as info:
-        load_config("examples/recipes/qwen3-8b-longcot-cp4-910b/config.yaml", [override])
-    assert key in info.value.keys
-    assert f"{key}: " in str(info.value) and "parallel.cp = 4" in str(info.value)
-
-
 @pytest.mark.slow
 def test_flex_rows_forward_equals_the_k_copies_rows() -> None:
     """``flex`` under CP (CPU: forward only, compiled): each rank's rows against the whole K / V,

@@ -7,10 +7,11 @@ CP rank attends its chunks' queries to the all-gathered K / V (`attention/cp_spl
 path (``auto`` picks flex there), and ``model.megatron`` may not set megatron's own CP options
 (Transformer Engine ring attention: not what runs). MoE composes: routing is per token, expert
 parallelism takes its ranks from DP × CP as in megatron, and the router losses of a rank's
-uneven slice are made exact by ``platform/patches/moe_cp_router_losses``. The world-size rule (tp × pp × cp × dp) is
-`validate.validate_world`'s and `plan`'s. `cp_sizes(cfg, world)` lists the CP sizes above the
-config's that a world of `world` training ranks allows and these rules accept (what `plan` may
-suggest).
+uneven slice are made exact by ``platform/patches/moe_cp_router_losses``; replayed routes
+(``algorithm.routing_replay: rollout``) are sliced per rank as the tokens are (``trimodel.stage``).
+The world-size rule (tp × pp × cp × dp) is `validate.validate_world`'s and `plan`'s.
+`cp_sizes(cfg, world)` lists the CP sizes above the config's that a world of `world` training
+ranks allows and these rules accept (what `plan` may suggest).
 """
 
 from __future__ import annotations
@@ -35,11 +36,6 @@ def check_cp(cfg: Config) -> Found:
             "attention.backend",
             f"'triton' has no context-parallel path (parallel.cp = {cp}): use 'flex' or 'auto' (flex on CUDA "
             "under CP), or parallel.cp 1",
-        )
-    if cfg.algorithm.routing_replay == "rollout":  # trimodel.stage has no per-rank slice of the routes
-        yield (
-            "algorithm.routing_replay",
-            f"'rollout' is not supported with parallel.cp = {cp} (the engine's routes are not sliced per CP rank)",
         )
     for name in MEGATRON_CP_OPTIONS:
         if name in cfg.model.megatron:

@@ -19,6 +19,7 @@ the active frozen copies (old, ref). Contract with megatron-core 0.16's schedule
   positions, scores the response tokens whose logits it holds and all-gathers the log-probs
   (and entropy) over the CP group, so every CP rank returns the whole micro-batch's
   ``TriLogprobs`` and computes the same loss; the gather's backward keeps each rank's own rows.
+  Replayed routes (``mb.routed_experts [T, L, K]``) are sliced to the rank's tokens likewise.
 - Backward: the schedule backpropagates the received gradient of the concatenated output;
   the frozen slices were produced without a graph, so their gradient (zeros in the slice
   sent back by the next stage) reaches nothing, and only policy parameters get gradients.
@@ -174,13 +175,14 @@ class TriStage(torch.nn.Module):
         old replay, the reference routes itself: ``trimodel/routing.py`` says why)."""
         if not self.routing_replay or stream.name == "ref":
             return contextlib.nullcontext()
-        if _cp_slice(mb) is not None:
-            raise ValueError("algorithm.routing_replay 'rollout' is not supported with parallel.cp > 1")
         if mb.routed_experts is None:
             raise ValueError("algorithm.routing_replay is 'rollout' but a micro-batch carries no routed experts")
         from megatron_rl.trimodel.routing import replaying
 
-        return replaying(unwrap(stream.module), mb.routed_experts.to(device), backward=stream.name == "policy")
+        routes, cp = mb.routed_experts.to(device), _cp_slice(mb)
+        if cp is not None:  # [T, L, K] -> this CP rank's tokens [T_r, L, K], sliced as the tokens are
+            routes = routes[cp.local_index.to(device)]
+        return replaying(unwrap(stream.module), routes, backward=stream.name == "policy")
 
     def _reduce(self, module: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, frozen: bool):
         """Hidden states ``[N, h]`` of the scored positions -> (log-probs [N], entropy [N] or None)."""
