@@ -1,13 +1,16 @@
 """Block-sparse flash attention (forward + backward) for the shared-prompt mask, in Triton.
 
-Inputs are THD-packed: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (GQA: query head h reads
-key/value head ``h // (Hq // Hkv)``, as ``repeat_interleave`` would). Query token t may see
-the keys ``[group_start[t], prefix_end[t]) ∪ [seg_start[t], t]`` (see
-``megatron_rl.attention.layout``). No K/V is copied: every query block loops over the key
-blocks its rows can see (``BlockPlan``, built on the host once per micro-batch), and masks
-inside a block element-wise, so fully masked blocks (other groups, other responses) are
-never touched. Backward is FlashAttention-2 style: ``dq`` per query block, ``dk``/``dv``
-per key block (per query head, then summed over the heads sharing a K/V head).
+Inputs are THD-packed: q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]`` (GQA: query head h reads
+key/value head ``h // (Hq // Hkv)``, as ``repeat_interleave`` would). Query row i sits at packed
+position ``t = q_pos[i]`` and may see the keys ``[group_start[i], prefix_end[i]) ∪
+[seg_start[i], t]`` (see ``megatron_rl.attention.layout``). Single rank: ``q_pos = arange(T)``,
+``T_q = T_k = T``; under context parallelism the rows are a CP rank's tokens and the keys the
+whole gathered packed sequence (dK / dV then cover all ``T_k`` keys, from this rank's queries).
+No K/V is copied: every query block loops over the key blocks its rows can see (``BlockPlan``,
+``triton_block_plan``, built on the host once per micro-batch), and masks inside a block
+element-wise, so fully masked blocks (other groups, other responses) are never touched.
+Backward is FlashAttention-2 style: ``dq`` per query block, ``dk``/``dv`` per key block (per
+query head, then summed over the heads sharing a K/V head).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) bf16/fp16 inputs are upcast to fp32 before
 ``tl.dot``, whose low-precision path is wrong in the interpreter. fp32 dots use IEEE
@@ -17,85 +20,32 @@ precision (no TF32) so fp32 results match a reference.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_block_plan import BlockPlan, build_block_plan
 
-@dataclass(frozen=True, kw_only=True)
-class BlockPlan:
-    """Visited blocks of the mask, and the per-token arrays the kernels mask with."""
-
-    block_m: int
-    block_n: int
-    group_start: torch.Tensor  # [T] int32
-    prefix_end: torch.Tensor  # [T] int32
-    seg_start: torch.Tensor  # [T] int32
-    kv_blocks: torch.Tensor  # [n_qb, max_kv] int32, key blocks each query block visits (padded)
-    kv_count: torch.Tensor  # [n_qb] int32
-    q_blocks: torch.Tensor  # [n_kb, max_q] int32, query blocks that see each key block
-    q_count: torch.Tensor  # [n_kb] int32
-
-
-def _block_lists(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, cols] bool -> (padded column lists [rows, max] int32, counts [rows] int32)."""
-    count = visible.sum(1)
-    width = max(int(count.max()), 1) if visible.numel() else 1
-    # stable sort puts visible columns first, in increasing order
-    order = torch.sort((~visible).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    return order.to(torch.int32).contiguous(), count.to(torch.int32)
-
-
-def build_block_plan(
-    group_start: torch.Tensor,
-    prefix_end: torch.Tensor,
-    seg_start: torch.Tensor,
-    *,
-    block_m: int,
-    block_n: int,
-    device: torch.device | str,
-) -> BlockPlan:
-    """Which ``block_n`` key blocks each ``block_m`` query block can see (and the transpose)."""
-    t = group_start.numel()
-    n_qb, n_kb = triton.cdiv(t, block_m), triton.cdiv(t, block_n)
-    rows = torch.arange(t)
-    qb = rows // block_m
-    # each row sees up to two key intervals; mark their block ranges with a difference array
-    has_prefix = prefix_end > group_start
-    lo = torch.cat([group_start[has_prefix], seg_start]) // block_n
-    hi = torch.cat([(prefix_end[has_prefix] - 1), rows]) // block_n
-    owner = torch.cat([qb[has_prefix], qb])
-    diff = torch.zeros(n_qb, n_kb + 1, dtype=torch.int64)
-    diff.index_put_((owner, lo), torch.ones_like(lo), accumulate=True)
-    diff.index_put_((owner, hi + 1), -torch.ones_like(hi), accumulate=True)
-    visible = diff.cumsum(1)[:, :n_kb] > 0  # [n_qb, n_kb]
-    kv_blocks, kv_count = _block_lists(visible)
-    q_blocks, q_count = _block_lists(visible.T.contiguous())
-
-    def dev(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device=device, dtype=torch.int32).contiguous()
-
-    return BlockPlan(
-        block_m=block_m,
-        block_n=block_n,
-        group_start=dev(group_start),
-        prefix_end=dev(prefix_end),
-        seg_start=dev(seg_start),
-        kv_blocks=dev(kv_blocks),
-        kv_count=dev(kv_count),
-        q_blocks=dev(q_blocks),
-        q_count=dev(q_count),
-    )
+__all__ = ["BlockPlan", "build_block_plan", "shared_prompt_flash_attention"]
 
 
 @triton.jit
-def _allowed(offs_m, offs_n, gs, pe, ss, T):
+def _row_masks(QPOS, GS, PE, SS, offs_m, T_Q):
+    """Query rows ``offs_m``: (in range, packed position, group start, prefix end, segment start)."""
+    ok = offs_m < T_Q
+    pos = tl.load(QPOS + offs_m, mask=ok, other=0)
+    gs = tl.load(GS + offs_m, mask=ok, other=0)
+    pe = tl.load(PE + offs_m, mask=ok, other=0)
+    return ok, pos, gs, pe, tl.load(SS + offs_m, mask=ok, other=0)
+
+
+@triton.jit
+def _allowed(row_ok, pos, offs_n, gs, pe, ss, T_K):
     n = offs_n[None, :]
     prefix = (n >= gs[:, None]) & (n < pe[:, None])
-    own = (n >= ss[:, None]) & (n <= offs_m[:, None])
-    return (prefix | own) & (offs_m[:, None] < T) & (n < T)
+    own = (n >= ss[:, None]) & (n <= pos[:, None])
+    return (prefix | own) & row_ok[:, None] & (n < T_K)
 
 
 @triton.jit
@@ -119,13 +69,15 @@ def _fwd_kernel(
     GS,
     PE,
     SS,
+    QPOS,
     KV_BLOCKS,
     KV_COUNT,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
-    T,
+    T_Q,
+    T_K,
     scale,
     H_RATIO,
     MAX_KV,
@@ -139,19 +91,17 @@ def _fwd_kernel(
     h = tl.program_id(1)
     kvh = h // H_RATIO
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = _load_rows(Q, offs_m, h, stride_qt, stride_qh, T, HEAD_DIM, UPCAST)
-    gs = tl.load(GS + offs_m, mask=offs_m < T, other=0)
-    pe = tl.load(PE + offs_m, mask=offs_m < T, other=0)
-    ss = tl.load(SS + offs_m, mask=offs_m < T, other=0)
+    q = _load_rows(Q, offs_m, h, stride_qt, stride_qh, T_Q, HEAD_DIM, UPCAST)
+    row_ok, pos, gs, pe, ss = _row_masks(QPOS, GS, PE, SS, offs_m, T_Q)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for j in range(tl.load(KV_COUNT + qb)):
         offs_n = tl.load(KV_BLOCKS + qb * MAX_KV + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, offs_n, kvh, stride_kt, stride_kh, T, HEAD_DIM, UPCAST)
-        v = _load_rows(V, offs_n, kvh, stride_kt, stride_kh, T, HEAD_DIM, UPCAST)
+        k = _load_rows(K, offs_n, kvh, stride_kt, stride_kh, T_K, HEAD_DIM, UPCAST)
+        v = _load_rows(V, offs_n, kvh, stride_kt, stride_kh, T_K, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(_allowed(offs_m, offs_n, gs, pe, ss, T), s, float("-inf"))
+        s = tl.where(_allowed(row_ok, pos, offs_n, gs, pe, ss, T_K), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp(s - m_safe[:, None])
@@ -161,13 +111,12 @@ def _fwd_kernel(
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < T
     tl.store(
         Out + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :],
         (acc / l_safe[:, None]).to(Out.dtype.element_ty),
         mask=row_ok[:, None],
     )
-    tl.store(LSE + h * T + offs_m, m_i + tl.log(l_safe), mask=row_ok)
+    tl.store(LSE + h * T_Q + offs_m, m_i + tl.log(l_safe), mask=row_ok)
 
 
 @triton.jit
@@ -182,13 +131,15 @@ def _bwd_dq_kernel(
     GS,
     PE,
     SS,
+    QPOS,
     KV_BLOCKS,
     KV_COUNT,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
-    T,
+    T_Q,
+    T_K,
     scale,
     H_RATIO,
     MAX_KV,
@@ -202,21 +153,18 @@ def _bwd_dq_kernel(
     h = tl.program_id(1)
     kvh = h // H_RATIO
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T
-    q = _load_rows(Q, offs_m, h, stride_qt, stride_qh, T, HEAD_DIM, UPCAST)
-    do = _load_rows(DO, offs_m, h, stride_qt, stride_qh, T, HEAD_DIM, UPCAST)
-    lse = tl.load(LSE + h * T + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + h * T + offs_m, mask=row_ok, other=0.0)
-    gs = tl.load(GS + offs_m, mask=row_ok, other=0)
-    pe = tl.load(PE + offs_m, mask=row_ok, other=0)
-    ss = tl.load(SS + offs_m, mask=row_ok, other=0)
+    row_ok, pos, gs, pe, ss = _row_masks(QPOS, GS, PE, SS, offs_m, T_Q)
+    q = _load_rows(Q, offs_m, h, stride_qt, stride_qh, T_Q, HEAD_DIM, UPCAST)
+    do = _load_rows(DO, offs_m, h, stride_qt, stride_qh, T_Q, HEAD_DIM, UPCAST)
+    lse = tl.load(LSE + h * T_Q + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + h * T_Q + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for j in range(tl.load(KV_COUNT + qb)):
         offs_n = tl.load(KV_BLOCKS + qb * MAX_KV + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, offs_n, kvh, stride_kt, stride_kh, T, HEAD_DIM, UPCAST)
-        v = _load_rows(V, offs_n, kvh, stride_kt, stride_kh, T, HEAD_DIM, UPCAST)
+        k = _load_rows(K, offs_n, kvh, stride_kt, stride_kh, T_K, HEAD_DIM, UPCAST)
+        v = _load_rows(V, offs_n, kvh, stride_kt, stride_kh, T_K, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        p = tl.where(_allowed(offs_m, offs_n, gs, pe, ss, T), tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(_allowed(row_ok, pos, offs_n, gs, pe, ss, T_K), tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -241,13 +189,15 @@ def _bwd_dkdv_kernel(
     GS,
     PE,
     SS,
+    QPOS,
     Q_BLOCKS,
     Q_COUNT,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
-    T,
+    T_Q,
+    T_K,
     scale,
     H_RATIO,
     MAX_Q,
@@ -261,29 +211,26 @@ def _bwd_dkdv_kernel(
     h = tl.program_id(1)  # query head; DK/DV are per query head [T, Hq, D], strided like Q
     kvh = h // H_RATIO
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, offs_n, kvh, stride_kt, stride_kh, T, HEAD_DIM, UPCAST)
-    v = _load_rows(V, offs_n, kvh, stride_kt, stride_kh, T, HEAD_DIM, UPCAST)
+    k = _load_rows(K, offs_n, kvh, stride_kt, stride_kh, T_K, HEAD_DIM, UPCAST)
+    v = _load_rows(V, offs_n, kvh, stride_kt, stride_kh, T_K, HEAD_DIM, UPCAST)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for j in range(tl.load(Q_COUNT + kb)):
         offs_m = tl.load(Q_BLOCKS + kb * MAX_Q + j) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < T
-        q = _load_rows(Q, offs_m, h, stride_qt, stride_qh, T, HEAD_DIM, UPCAST)
-        do = _load_rows(DO, offs_m, h, stride_qt, stride_qh, T, HEAD_DIM, UPCAST)
-        lse = tl.load(LSE + h * T + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + h * T + offs_m, mask=row_ok, other=0.0)
-        gs = tl.load(GS + offs_m, mask=row_ok, other=0)
-        pe = tl.load(PE + offs_m, mask=row_ok, other=0)
-        ss = tl.load(SS + offs_m, mask=row_ok, other=0)
+        row_ok, pos, gs, pe, ss = _row_masks(QPOS, GS, PE, SS, offs_m, T_Q)
+        q = _load_rows(Q, offs_m, h, stride_qt, stride_qh, T_Q, HEAD_DIM, UPCAST)
+        do = _load_rows(DO, offs_m, h, stride_qt, stride_qh, T_Q, HEAD_DIM, UPCAST)
+        lse = tl.load(LSE + h * T_Q + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + h * T_Q + offs_m, mask=row_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        p = tl.where(_allowed(offs_m, offs_n, gs, pe, ss, T), tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(_allowed(row_ok, pos, offs_n, gs, pe, ss, T_K), tl.exp(s - lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     d = tl.arange(0, HEAD_DIM)
     out = offs_n.to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :]
-    col_ok = (offs_n < T)[:, None]
+    col_ok = (offs_n < T_K)[:, None]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=col_ok)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=col_ok)
 
@@ -293,11 +240,19 @@ def _launch_options(dtype: torch.dtype) -> dict[str, object]:
     return {"UPCAST": interpret and dtype != torch.float32, "PRECISION": "ieee" if dtype == torch.float32 else None}
 
 
+def _check_plan(plan: BlockPlan, t_q: int, t_k: int) -> None:
+    if plan.q_pos.numel() != t_q or plan.num_keys != t_k:
+        raise ValueError(
+            f"the block plan is for {plan.q_pos.numel()} queries x {plan.num_keys} keys, got {t_q} x {t_k}"
+        )
+
+
 class _SharedPromptFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: BlockPlan, scale: float):  # type: ignore[override]
         t, hq, d = q.shape
         ratio = hq // k.shape[1]
+        _check_plan(plan, t, k.shape[0])
         out = torch.empty_like(q)
         lse = torch.empty(hq, t, device=q.device, dtype=torch.float32)
         grid = (plan.kv_count.numel(), hq)
@@ -310,6 +265,7 @@ class _SharedPromptFlash(torch.autograd.Function):
             plan.group_start,
             plan.prefix_end,
             plan.seg_start,
+            plan.q_pos,
             plan.kv_blocks,
             plan.kv_count,
             q.stride(0),
@@ -317,6 +273,7 @@ class _SharedPromptFlash(torch.autograd.Function):
             k.stride(0),
             k.stride(1),
             t,
+            plan.num_keys,
             scale,
             ratio,
             plan.kv_blocks.shape[1],
@@ -335,14 +292,14 @@ class _SharedPromptFlash(torch.autograd.Function):
         plan: BlockPlan = ctx.plan
         dout = dout.contiguous()
         t, hq, d = q.shape
-        hkv = k.shape[1]
+        t_k, hkv = k.shape[:2]
         delta = (out.float() * dout.float()).sum(-1).T.contiguous()  # [Hq, T]
         dq = torch.empty_like(q)
-        dk_h = torch.empty(t, hq, d, device=q.device, dtype=torch.float32)  # per query head
+        dk_h = torch.empty(t_k, hq, d, device=q.device, dtype=torch.float32)  # per query head
         dv_h = torch.empty_like(dk_h)
         common = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, HEAD_DIM=d, **_launch_options(q.dtype))
-        masks = (plan.group_start, plan.prefix_end, plan.seg_start)
-        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), t, ctx.scale, hq // hkv)
+        masks = (plan.group_start, plan.prefix_end, plan.seg_start, plan.q_pos)
+        strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), t, t_k, ctx.scale, hq // hkv)
         _bwd_dq_kernel[(plan.kv_count.numel(), hq)](
             q,
             k,
@@ -374,15 +331,16 @@ class _SharedPromptFlash(torch.autograd.Function):
             plan.q_blocks.shape[1],
             **common,
         )
-        dk = dk_h.view(t, hkv, hq // hkv, d).sum(2).to(k.dtype)
-        dv = dv_h.view(t, hkv, hq // hkv, d).sum(2).to(v.dtype)
+        dk = dk_h.view(t_k, hkv, hq // hkv, d).sum(2).to(k.dtype)
+        dv = dv_h.view(t_k, hkv, hq // hkv, d).sum(2).to(v.dtype)
         return dq, dk, dv, None, None
 
 
 def shared_prompt_flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BlockPlan, softmax_scale: float
 ) -> torch.Tensor:
-    """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``; D a power of two >= 16."""
+    """q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]`` -> ``[T_q, Hq, D]`` under ``plan``
+    (``build_block_plan``); D a power of two >= 16."""
     d = q.shape[-1]
     if d < 16 or d & (d - 1):
         raise ValueError(f"the triton kernel needs a head dim that is a power of two >= 16, got {d}")

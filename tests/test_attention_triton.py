@@ -1,4 +1,5 @@
-"""Runs the Triton kernel checks (``attention_triton_interpreted.py``) in a subprocess with
+"""Runs the Triton kernel checks (``attention_triton_interpreted.py``, single rank, and
+``attention_triton_cp_interpreted.py``, context parallel) in a subprocess with
 ``TRITON_INTERPRET=1``, so the interpreter setting never leaks into this process."""
 
 import os
@@ -15,10 +16,17 @@ pytest.importorskip("triton")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_triton_kernel_under_interpreter() -> None:
+@pytest.mark.parametrize(
+    "checks",
+    [
+        "attention_triton_interpreted.py",
+        pytest.param("attention_triton_cp_interpreted.py", marks=pytest.mark.multiproc),  # gloo ranks
+    ],
+)
+def test_triton_kernel_under_interpreter(checks: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/attention_triton_interpreted.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{checks}"],
         cwd=ROOT,
         env=env,
         capture_output=True,

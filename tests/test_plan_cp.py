@@ -44,7 +44,6 @@ def _keys(overrides: list[str], path: str = RECIPE) -> tuple[str, ...]:
     ("overrides", "key"),
     [
         (["parallel.cp=0"], "parallel.cp"),
-        (["attention.backend=triton"], "attention.backend"),  # no triton kernel under CP
         (["model.megatron={context_parallel_size: 4}"], "model.megatron.context_parallel_size"),
         (["model.megatron={cp_comm_type: p2p}"], "model.megatron.cp_comm_type"),
     ],
@@ -55,8 +54,10 @@ def test_check_config_refuses_naming_the_key(overrides, key, capsys):
     assert key in capsys.readouterr().err
 
 
-def test_triton_is_accepted_at_cp_1():
-    assert load_config(RECIPE, ["parallel.cp=1", "attention.backend=triton"]).parallel.cp == 1
+@pytest.mark.parametrize("cp", [1, 4])
+def test_triton_is_accepted_with_and_without_cp(cp):
+    """The triton kernel has a CP path (attention/triton_backend.triton_rows_attention)."""
+    assert load_config(RECIPE, [f"parallel.cp={cp}", "attention.backend=triton"]).parallel.cp == cp
 
 
 def test_world_is_tp_pp_cp_dp():

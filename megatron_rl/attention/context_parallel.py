@@ -18,9 +18,11 @@ micro-batch (``gather_rows``, ``N`` fp32 values). gloo has no reduce-scatter: th
 all-reduces the padded buffer and keeps its slice (twice the traffic, CPU tests only).
 
 Backends: ``reference`` (dense mask rows), ``split`` (batched SDPA over the runs, the CPU
-path), ``flex`` (block mask with Q_LEN = T_r) and ``npu`` (``npu_fusion_attention`` TND over
-the runs, bottom-right causal: the single-rank NPU path's call with the runs as its sequences).
-``triton`` is not implemented under CP (``auto`` picks ``flex`` on CUDA when cp > 1).
+path), ``flex`` (block mask with Q_LEN = T_r), ``triton`` (the block-sparse kernel with the rank's
+T_r rows as queries at their packed positions, ``q_pos``, against the T keys:
+``triton_backend.triton_rows_attention``) and ``npu`` (``npu_fusion_attention`` TND over the runs,
+bottom-right causal: the single-rank NPU path's call with the runs as its sequences). ``auto``
+picks ``flex`` on CUDA when cp > 1 (the triton CP path is checked under the CPU interpreter only).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl.attention.cp_split import CPSlice, Partition, QueryRun
+from megatron_rl.attention.triton_backend import triton_rows_attention
 
 # Runs share one SDPA call while their key count is >= this fraction of the call's longest.
 BUCKET_RATIO = 0.5
@@ -211,6 +214,7 @@ _ROWS_IMPLS = {
     "reference": reference_rows_attention,
     "split": split_rows_attention,
     "flex": flex_rows_attention,
+    "triton": triton_rows_attention,
     "npu": npu_rows_attention,
 }
 

@@ -83,7 +83,7 @@ class SharedPromptCoreAttention(torch.nn.Module):
         requires_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
         name = self.backend
         if name == "auto" and query.device.type == "cuda":
-            name = "flex"  # auto's triton has no CP path
+            name = "flex"  # auto under CP: triton's CP path is checked under the CPU interpreter only
         name = resolve_backend(name, query.device.type, requires_grad)
         group = self.cp_group if self.cp_group is not None else parallel_state.get_context_parallel_group()
         out = cp_attention(

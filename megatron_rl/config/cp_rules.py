@@ -3,8 +3,8 @@
 Contract: `check_cp(cfg)` yields ``(key, message)`` for a ``parallel.cp`` the run cannot use.
 At cp = c > 1 every prompt and response of a packed micro-batch is cut into 2c chunks and each
 CP rank attends its chunks' queries to the all-gathered K / V (`attention/cp_split.py`,
-`attention/context_parallel.py`): any token budget splits, but the ``triton`` kernel has no CP
-path (``auto`` picks flex there), and ``model.megatron`` may not set megatron's own CP options
+`attention/context_parallel.py`, every attention backend): any token budget splits, and
+``model.megatron`` may not set megatron's own CP options
 (Transformer Engine ring attention: not what runs). MoE composes: routing is per token, expert
 parallelism takes its ranks from DP × CP as in megatron, and the router losses of a rank's
 uneven slice are made exact by ``platform/patches/moe_cp_router_losses``; replayed routes
@@ -31,12 +31,6 @@ def check_cp(cfg: Config) -> Found:
     cp = cfg.parallel.cp
     if cp == 1:
         return
-    if cfg.attention.backend == "triton":
-        yield (
-            "attention.backend",
-            f"'triton' has no context-parallel path (parallel.cp = {cp}): use 'flex' or 'auto' (flex on CUDA "
-            "under CP), or parallel.cp 1",
-        )
     for name in MEGATRON_CP_OPTIONS:
         if name in cfg.model.megatron:
             yield (

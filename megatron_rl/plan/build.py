@@ -80,7 +80,7 @@ def micro_batch_shape(cfg: Config, tokens: int | None = None) -> MicroBatchShape
 def memory_settings(cfg: Config, layout: ClusterLayout, device: DeviceSpec, trimodel: TriModelPlan) -> MemorySettings:
     """The memory model's inputs for `cfg` on `layout`."""
     backend = cfg.attention.backend
-    if backend == "auto":  # no triton kernel under CP: flex on CUDA (attention/context_parallel.py)
+    if backend == "auto":  # flex on CUDA under CP, as core_attention runs it (attention/context_parallel.py)
         backend = auto_backend(device.kind, triton=cfg.parallel.cp == 1)
     elif BACKEND_KIND.get(backend, device.kind) != device.kind:
         raise ValueError(
