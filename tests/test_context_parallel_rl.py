@@ -6,7 +6,9 @@ over CP by megatron's DDP). Reference: the same config at CP 1 on one rank. Both
 seeded sampling in sync mode, 2 mini-batches per batch; the loss metrics of every step (world
 sums: counted once per replica) and the weights after each of the 2 steps must agree, and the
 weights must have moved. Checkpoints resume across CP layouts both ways (CP 1 -> CP 2 with the
-distributed optimizer, CP 2 with it -> CP 1 without).
+distributed optimizer, CP 2 with it -> CP 1 without). Every other loss kind (bnpo, dapo, dr_grpo,
+decoupled PPO with the log-linear proximal, distillation), with the KL-to-reference and entropy
+terms on, ends one step at CP 2 where it does at CP 1.
 """
 
 from __future__ import annotations
@@ -112,3 +114,29 @@ def test_resume_from_cp2_at_cp1(reference, cp2_runs):
     assert len(history) == 1
     diff = _max_diff(ref_dir / "step_2", out / "step_2")
     assert diff <= TOL, f"step 2 after resuming the CP 2 checkpoint at CP 1: weights differ by {diff:.2e}"
+
+
+LOSSES = {  # every algorithm.loss besides grpo (the runs above), with the KL and entropy terms on
+    "bnpo": [],
+    "dapo": [],
+    "dr_grpo": [],
+    "ppo_decoupled": ["algorithm.proximal=loglinear"],
+    "distill": ["distill.coef=0.5"],  # the teacher: the starting checkpoint itself
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_every_loss_at_cp2_equals_cp1(reference, loss):
+    """One step of each loss kind at CP 2 ends with the weights (and loss metrics) of CP 1."""
+    tmp_path, config, _ = reference
+    terms = ["algorithm.kl.coef=0.05", "algorithm.entropy_coef=0.01", "trainer.steps=1"]
+    teacher = [f"distill.teacher={tmp_path / 'model'}"] if loss == "distill" else []
+    overrides = [f"algorithm.loss={loss}", *terms, *teacher, *LOSSES[loss]]
+    ref_dir, ref_hist = _run(tmp_path, config, f"{loss}_cp1", 1, overrides)
+    out, history = _run(tmp_path, config, f"{loss}_cp2", 2, [*overrides, "parallel.cp=2"])
+    assert _max_diff(tmp_path, ref_dir / "step_1") > 1e-4, "training did not move the weights"
+    diff = _max_diff(ref_dir / "step_1", out / "step_1")
+    assert diff <= TOL, f"{loss}: weights differ from the CP 1 run by {diff:.2e}"
+    keys = sorted(k for k in ref_hist[0] if k.startswith("loss/") or k in ("distill/kl", "distill/tokens"))
+    for key in keys:
+        assert history[0].get(key) == pytest.approx(ref_hist[0][key], rel=1e-4, abs=1e-6), f"{loss}: {key}"
