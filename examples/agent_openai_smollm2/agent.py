@@ -15,6 +15,7 @@ import json
 from openai import OpenAI
 
 from megatron_rl.environments.calculator import CALCULATOR_TOOL, call_calculator
+from megatron_rl.environments.template import parse_tool_calls
 from megatron_rl.rewards.base import extract_boxed
 
 INSTRUCTION = "Call the calculator tool, then give the result as \\boxed{number}."
@@ -46,8 +47,16 @@ def solve(task: dict, base_url: str) -> float | None:
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         text = message.content or ""
-        if not message.tool_calls or reply.choices[0].finish_reason == "length":
+        if reply.choices[0].finish_reason == "length":
             break
+        if not message.tool_calls:
+            # A malformed <tool_call> comes back as plain content (as from an OpenAI server); the
+            # native environment answers it with an error and another turn, so this agent does too.
+            malformed = [c for c in parse_tool_calls(text) if c.error is not None]
+            if not malformed:
+                break
+            messages += [{"role": "tool", "content": f"Error: malformed tool call ({c.error})"} for c in malformed[:2]]
+            continue
         for call in message.tool_calls[:2]:
             result, _ = call_calculator(json.loads(call.function.arguments))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
