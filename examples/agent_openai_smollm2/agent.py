@@ -58,7 +58,12 @@ def solve(task: dict, base_url: str) -> float | None:
             messages += [{"role": "tool", "content": f"Error: malformed tool call ({c.error})"} for c in malformed[:2]]
             continue
         for call in message.tool_calls[:2]:
-            result, _ = call_calculator(json.loads(call.function.arguments))
+            name = call.function.name
+            result = (
+                call_calculator(json.loads(call.function.arguments))[0]
+                if name == "calculator"
+                else f"Error: no tool named {name!r}; the tools are calculator"  # the native environment's answer
+            )
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return _score(task, text)
 
