@@ -149,7 +149,7 @@ class Session:
             self.branches.append(b)
         before = b.token_versions[-1] if b.token_versions else result.weight_version
         b.token_versions += [before] * len(plan.observation)
-        b.token_versions += result.token_versions or [result.weight_version] * len(result.response_ids)
+        b.token_versions += result.versions_per_token
         b.ids += plan.observation
         b.mask += [0] * len(plan.observation)
         b.logprobs += [0.0] * len(plan.observation)

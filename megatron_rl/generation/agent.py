@@ -42,6 +42,7 @@ from megatron_rl.generation.base import (
     register_generator,
 )
 from megatron_rl.rollout.feed import StreamingEngine
+from megatron_rl.rollout.types import compact_token_versions
 
 AgentFn = Callable[[Mapping[str, Any], str], Any]
 
@@ -230,7 +231,7 @@ def _trajectory(session: Session, outcome: Outcome, *, prompt: tuple[int, ...], 
         loss_mask=(0,) * len(extra) + tuple(b.mask),
         behav_logprobs=(0.0,) * len(extra) + tuple(b.logprobs),
         turn_versions=tuple(b.versions),
-        token_versions=versions if len(set(versions)) > 1 else None,
+        token_versions=compact_token_versions(versions),
         finish_reason=b.finish_reason,
         last_text=b.last_text,
         truncated=b.finish_reason == "length",

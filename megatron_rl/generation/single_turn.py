@@ -28,7 +28,13 @@ from megatron_rl.generation.base import (
     register_generator,
     response_lengths,
 )
-from megatron_rl.rollout.types import GenerationRequest, GenerationResult, RolloutEngine, SamplingSettings
+from megatron_rl.rollout.types import (
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingSettings,
+    compact_token_versions,
+)
 
 Detokenize = Callable[[Sequence[int]], str]  # response token ids -> text
 
@@ -123,13 +129,11 @@ def _continued(prior: Trajectory, result: GenerationResult) -> GenerationResult:
     with the version that sampled it; its ``weight_version`` is the first token's."""
     if prior.routed_experts is not None or result.routed_experts is not None:
         raise RuntimeError(f"{result.request_id!r}: a carried-over request cannot merge MoE routes (routing replay)")
-    before = prior.token_versions or prior.turn_versions * len(prior.response_ids)
-    after = result.token_versions or (result.weight_version,) * len(result.response_ids)
-    versions = before + after
+    versions = (prior.token_versions or prior.turn_versions * len(prior.response_ids)) + result.versions_per_token
     return replace(
         result,
         response_ids=prior.response_ids + result.response_ids,
         logprobs=prior.behav_logprobs + result.logprobs,
         weight_version=versions[0] if versions else result.weight_version,
-        token_versions=versions if versions and versions[-1] != versions[0] else None,
+        token_versions=compact_token_versions(versions),
     )

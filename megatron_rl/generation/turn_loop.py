@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from megatron_rl.generation.base import Trajectory
 from megatron_rl.rollout.feed import RequestFeed, StreamingEngine
-from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult, SamplingSettings, compact_token_versions
 
 EncodeMessages = Callable[[Sequence[Mapping[str, Any]], Sequence[dict]], Sequence[int]]  # (messages, tools) -> ids
 
@@ -98,7 +98,7 @@ class LiveTrajectory:
             behav_logprobs=tuple(self.logprobs),
             turn_versions=tuple(self.versions),
             # None while one version sampled everything (the records' default)
-            token_versions=tuple(self.token_versions) if len(set(self.token_versions)) > 1 else None,
+            token_versions=compact_token_versions(self.token_versions),
             finish_reason=self.finish_reason,
             truncated=self.truncated,
             reward=self.reward,
@@ -203,7 +203,7 @@ class TurnLoop:
         traj.mask += [1] * len(result.response_ids)
         traj.logprobs += result.logprobs
         traj.versions.append(result.weight_version)
-        traj.token_versions += result.token_versions or (result.weight_version,) * len(result.response_ids)
+        traj.token_versions += result.versions_per_token
         traj.finish_reason = result.finish_reason
         traj.turn_prompt_tokens += len(result.prompt_ids)
         if result.cached_tokens is not None:

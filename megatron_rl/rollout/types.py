@@ -94,6 +94,20 @@ class GenerationResult:
     def __post_init__(self) -> None:
         check_token_versions(self.request_id, self.token_versions, len(self.response_ids), self.weight_version)
 
+    @property
+    def versions_per_token(self) -> tuple[int, ...]:
+        """The version that sampled each response token (``weight_version`` throughout when
+        ``token_versions`` is None)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return (self.weight_version,) * len(self.response_ids)
+
+
+def compact_token_versions(versions: Sequence[int]) -> tuple[int, ...] | None:
+    """Per-token versions as a record's ``token_versions`` holds them: None when one version
+    sampled every token (or there is none), else the tuple."""
+    return tuple(versions) if len(set(versions)) > 1 else None
+
 
 def check_token_versions(request_id: str, versions: tuple[int, ...] | None, length: int, first: int) -> None:
     """Raise unless ``versions`` is None or one non-decreasing version per response token

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_rl.rollout.in_flight import too_stale
-from megatron_rl.rollout.types import GenerationRequest, GenerationResult
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult, compact_token_versions
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class VLLMInFlight:
             logprobs=before.logprobs + logprobs,
             finish_reason="abort",
             weight_version=first_version,
-            token_versions=versions if versions and versions[-1] != versions[0] else None,
+            token_versions=compact_token_versions(versions),
         )
 
     def finish(self, engine_id: str, result: GenerationResult) -> GenerationResult:
@@ -108,7 +108,7 @@ class VLLMInFlight:
             result,
             response_ids=c.tokens + result.response_ids,
             logprobs=c.logprobs + result.logprobs,
-            token_versions=versions if versions[-1] != versions[0] else None,
+            token_versions=compact_token_versions(versions),
         )
 
 
