@@ -235,15 +235,19 @@ def make_pipeline(
     reward_fn=parity_reward,
     mini_batches=1,
     record=None,
+    target_groups=None,
+    carry_over=None,
+    generator=None,
 ) -> Pipeline:
     """A pipeline over 6 prompts per batch (G = 4 unless ``controller`` says otherwise)."""
     inputs = RolloutInputs(
         engine=engine,
         prompts=prompts or FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
-        generator=single_turn(),
+        generator=generator or single_turn(),
         reward_fn=reward_fn,
         controller=controller or FixedController(4),
-        scoring=GroupScoring(dynamic_sampling=dynamic_sampling),
+        scoring=GroupScoring(dynamic_sampling=dynamic_sampling, target_groups=target_groups),
+        carry_over=carry_over,
     )
     settings = PipelineSettings(
         mode=mode,

@@ -21,9 +21,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_rl.control import FixedController
 from megatron_rl.generation.base import Trajectory
-from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
 from megatron_rl.pipeline.carry_over import CarryOver, batch_prompts
 from tests.pipeline_fakes import (
     MAX_NEW_TOKENS,
@@ -33,8 +31,7 @@ from tests.pipeline_fakes import (
     FakeRecord,
     FakeTrainer,
     deadline,
-    parity_reward,
-    single_turn,
+    make_pipeline,
     train_one_step,
 )
 
@@ -106,22 +103,13 @@ class PartialAbortEngine(FakeEngine):
 
 
 def _run(engine, steps: int):
-    prompts = FakePrompts([f"p{i}" for i in range(60)], per_batch=6)
-    inputs = RolloutInputs(
-        engine=engine,
-        prompts=prompts,
-        generator=single_turn(),
-        reward_fn=parity_reward,
-        controller=FixedController(4),
-        scoring=GroupScoring(dynamic_sampling=True, target_groups=2),
+    pipe = make_pipeline(
+        engine, mode="stale", max_staleness=2, prompts=FakePrompts([f"p{i}" for i in range(60)], per_batch=6),
+        num_steps=steps, queue_size=256, dynamic_sampling=True, target_groups=2,
         carry_over=CarryOver(max_prompts=4, multiple=1),
-    )
-    settings = PipelineSettings(
-        mode="stale", max_staleness=2, queue_size=256, seed=7, micro_batch_tokens=4096,
-        flush_when_idle=True, poll_s=0.01, mini_batches=1, join_timeout_s=5.0,
     )  # fmt: skip
     trainer = FakeTrainer(engine)
-    with deadline(60), Pipeline(inputs, settings, StepSpan(num_steps=steps)) as pipe:
+    with deadline(60), pipe:
         summaries = [train_one_step(pipe, trainer) for _ in range(steps)]
     return summaries, trainer
 

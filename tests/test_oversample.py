@@ -16,17 +16,13 @@ import random
 
 import pytest
 
-from megatron_rl.control import FixedController
-from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
 from megatron_rl.pipeline.oversample import ABORTED, SURPLUS, TRAINED, Oversampler
 from megatron_rl.pipeline.records import ScoredGroup
 from tests.pipeline_fakes import (
     FakeEngine,
-    FakePrompts,
     FakeTrainer,
     deadline,
-    parity_reward,
-    single_turn,
+    make_pipeline,
     train_one_step,
 )
 
@@ -106,20 +102,9 @@ class AbortableFakeEngine(FakeEngine):
 
 
 def _trained_groups(engine, target: int | None, steps: int = 3) -> list[list[tuple[str, tuple]]]:
-    inputs = RolloutInputs(
-        engine=engine,
-        prompts=FakePrompts([f"p{i}" for i in range(12)], per_batch=6),
-        generator=single_turn(),
-        reward_fn=parity_reward,
-        controller=FixedController(4),
-        scoring=GroupScoring(dynamic_sampling=True, target_groups=target),
-    )
-    settings = PipelineSettings(
-        mode="periodic", max_staleness=0, queue_size=64, seed=7, micro_batch_tokens=4096,
-        flush_when_idle=True, poll_s=0.01, mini_batches=1, join_timeout_s=5.0,
-    )  # fmt: skip
+    pipe = make_pipeline(engine, num_steps=steps, dynamic_sampling=True, target_groups=target)
     trainer = FakeTrainer(engine)
-    with deadline(60), Pipeline(inputs, settings, StepSpan(num_steps=steps)) as pipe:
+    with deadline(60), pipe:
         summaries = [train_one_step(pipe, trainer) for _ in range(steps)]
     per_step: list[list] = [[] for _ in range(steps)]
     for mb in trainer.micro_batches:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from megatron_rl.control import FixedController, SAGCController, SAGCSettings
 from megatron_rl.generation.base import FailedGroup
-from megatron_rl.pipeline import GroupScoring, Pipeline, PipelineSettings, RolloutInputs, StepSpan
 from tests.pipeline_fakes import (
     FakeEngine,
     FakePrompts,
     FakeTrainer,
     deadline,
-    parity_reward,
+    make_pipeline,
     single_turn,
     train_one_step,
 )
@@ -38,16 +37,10 @@ class FailsFirstBatch:
 
 def _steps(controller) -> list:
     engine = FakeEngine()
-    inputs = RolloutInputs(
-        engine=engine, prompts=FakePrompts([f"p{i}" for i in range(12)], per_batch=4), generator=FailsFirstBatch(),
-        reward_fn=parity_reward, controller=controller, scoring=GroupScoring(),
-    )  # fmt: skip
-    settings = PipelineSettings(
-        mode="periodic", max_staleness=0, queue_size=64, seed=7, micro_batch_tokens=4096,
-        flush_when_idle=True, poll_s=0.01, mini_batches=1, join_timeout_s=5.0,
-    )  # fmt: skip
+    prompts = FakePrompts([f"p{i}" for i in range(12)], per_batch=4)
+    pipe = make_pipeline(engine, prompts=prompts, controller=controller, generator=FailsFirstBatch(), num_steps=2)
     trainer = FakeTrainer(engine)
-    with deadline(60), Pipeline(inputs, settings, StepSpan(num_steps=2)) as pipe:
+    with deadline(60), pipe:
         return [train_one_step(pipe, trainer) for _ in range(2)]
 
 
